@@ -1,0 +1,209 @@
+"""The ``kvstore`` command.
+
+    kvstore serve  [--data-dir D] [--listen ADDR] [--dram SIZE]   metadata service + one daemon
+    kvstore meta   [--listen ADDR]                                metadata service alone
+    kvstore daemon --meta ADDR [--dram SIZE] [--data-dir D]       one cache daemon
+    kvstore stat   [--meta ADDR] [--json]                         nodes, tiers, bytes, counters
+    kvstore demo                                                  embedded store + prefix-reuse workload
+
+Every command takes ``--config FILE`` and repeated ``--set section.key=value``; environment
+variables ``KVSTORE_<SECTION>__<KEY>`` apply in between. Servers print one line
+``READY {json}`` on stdout once they accept requests (tests and scripts wait for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from kvstore.config import Config, load_config
+from kvstore.errors import KVStoreError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML file with sections meta, daemon, client, log")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting")
+    p.add_argument("--log-level", help="debug, info, warning, error")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvstore", description="KV-cache storage tier for LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("serve", help="metadata service and one cache daemon in one process (the embedded default)")
+    _common(p)
+    p.add_argument("--listen", help="metadata service address (default 127.0.0.1:7100)")
+    p.add_argument("--data-dir", help="folder for daemon state (default ./kvstore-data)")
+    p.add_argument("--dram", help="DRAM segment size, e.g. 1GiB")
+
+    p = sub.add_parser("meta", help="the metadata service alone")
+    _common(p)
+    p.add_argument("--listen", help="address to listen on (default 127.0.0.1:7100)")
+
+    p = sub.add_parser("daemon", help="one cache daemon, registering with a metadata service")
+    _common(p)
+    p.add_argument("--meta", help="metadata service address")
+    p.add_argument("--data-dir", help="folder for daemon state")
+    p.add_argument("--dram", help="DRAM segment size, e.g. 1GiB")
+    p.add_argument("--host", help="address to bind and advertise")
+
+    p = sub.add_parser("stat", help="a table of nodes, tiers, bytes, blocks and hit counters")
+    _common(p)
+    p.add_argument("--meta", help="metadata service address")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("demo", help="run the embedded store and a short multi-turn workload that shows prefix reuse")
+    _common(p)
+    p.add_argument("--sessions", type=int, default=6)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def _config(ns: argparse.Namespace) -> Config:
+    overrides = list(ns.set)
+    for attr, key in (
+        ("listen", "meta.listen"),
+        ("data_dir", "daemon.data_dir"),
+        ("dram", "daemon.dram_bytes"),
+        ("host", "daemon.host"),
+    ):
+        v = getattr(ns, attr, None)
+        if v:
+            overrides.append(f"{key}={v}")
+    if getattr(ns, "meta", None):
+        overrides += [f"daemon.meta={ns.meta}", f"client.meta={ns.meta}"]
+    if ns.cmd == "serve" and getattr(ns, "listen", None):
+        overrides.append(f"client.meta={ns.listen}")
+    cfg = load_config(ns.config, overrides)
+    if ns.log_level:
+        cfg.log.level = ns.log_level
+    return cfg
+
+
+def _ready(**info: object) -> None:
+    print("READY " + json.dumps(info), flush=True)
+
+
+async def _until_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
+    from kvstore.daemon.server import CacheDaemon
+    from kvstore.meta.service import MetaServer
+
+    meta = daemon = None
+    info: dict[str, object] = {}
+    try:
+        if with_meta:
+            meta = MetaServer(cfg.meta)
+            port = await meta.start()
+            host = cfg.meta.listen.rpartition(":")[0] or "127.0.0.1"
+            info["meta"] = f"{host}:{port}"
+            if with_daemon:
+                cfg.daemon.meta = str(info["meta"])
+        if with_daemon:
+            daemon = CacheDaemon(cfg.daemon)
+            await daemon.start()
+            await asyncio.wait_for(daemon.registered.wait(), timeout=60)
+            info.update(
+                daemon_id=daemon.daemon_id,
+                data_port=daemon.dataport.port,
+                control_port=daemon.control_port,
+                shm_path=daemon.dram.path,
+            )
+        _ready(**info)
+        await _until_signal()
+    finally:
+        if daemon:
+            await daemon.stop()
+        if meta:
+            await meta.stop()
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _stat(cfg: Config, as_json: bool) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvstore.client import SyncKVStoreClient
+
+    with SyncKVStoreClient(config=cfg.client) as c:
+        s = c.stats()
+    if as_json:
+        print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=2))
+        return 0
+    tiers = {1: "dram", 2: "ssd", 3: "gpu"}
+    rows = [("daemon", "host", "alive", "tier", "used", "capacity", "use%", "blocks", "pinned", "leased")]
+    alive = {d.info.daemon_id: (d.alive, d.info.data_addr) for d in s.daemons}
+    for seg in s.segments:
+        ok, addr = alive.get(seg.daemon_id, (False, "?"))
+        pct = 100.0 * seg.used_bytes / seg.capacity_bytes if seg.capacity_bytes else 0.0
+        rows.append(
+            (seg.daemon_id, addr, "yes" if ok else "NO", tiers.get(seg.tier, "?"), _fmt_bytes(seg.used_bytes),
+             _fmt_bytes(seg.capacity_bytes), f"{pct:.1f}", str(seg.blocks), str(seg.pinned_blocks), str(seg.leased_blocks))
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    c = dict(s.counters)
+    hits, misses = c.get("hit_keys", 0), c.get("miss_keys", 0)
+    rate = 100.0 * hits / (hits + misses) if hits + misses else 0.0
+    print(f"\nkeys {s.keys}  pending puts {s.pending_puts}  active leases {s.active_leases}")
+    print(f"hit rate {rate:.1f}% ({hits} hit / {misses} miss keys on get)  "
+          f"lookups {c.get('lookups', 0)}  puts {c.get('puts', 0)}  dedup keys {c.get('dedup_keys', 0)}  "
+          f"evictions {c.get('evictions', 0)}  corrupt {c.get('corrupt_reported', 0)}")  # fmt: skip
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        cfg = _config(ns)
+    except KVStoreError as e:
+        print(f"kvstore: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, cfg.log.level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if ns.cmd == "serve":
+            asyncio.run(_serve(cfg, True, True))
+        elif ns.cmd == "meta":
+            asyncio.run(_serve(cfg, True, False))
+        elif ns.cmd == "daemon":
+            asyncio.run(_serve(cfg, False, True))
+        elif ns.cmd == "stat":
+            return _stat(cfg, ns.json)
+        elif ns.cmd == "demo":
+            from kvstore.demo import run_demo
+
+            return run_demo(cfg, sessions=ns.sessions, turns=ns.turns, seed=ns.seed)
+    except KVStoreError as e:
+        print(f"kvstore: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

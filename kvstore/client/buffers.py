@@ -1,0 +1,39 @@
+"""Turning caller buffers into flat byte views without copying.
+
+Accepted: anything with the buffer protocol (bytes, bytearray, memoryview, numpy arrays,
+mmap) and torch CPU tensors; each must be C-contiguous. Device memory (CUDA tensors, CuPy
+arrays) is refused: the engine stages it through pinned host buffers.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+
+def byte_view(obj: Any, writable: bool, what: str = "buffer") -> np.ndarray:
+    """A 1-D uint8 numpy view of ``obj``'s bytes (no copy)."""
+    mod = type(obj).__module__
+    if mod.startswith("torch"):
+        torch = sys.modules["torch"]
+        if obj.device.type != "cpu":
+            raise InvalidArgument(f"{what}: a {obj.device.type} tensor; pass a CPU tensor (or stage device memory)")
+        if not obj.is_contiguous():
+            raise InvalidArgument(f"{what}: tensor is not contiguous")
+        t = obj.detach().reshape(-1)
+        return t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    if mod.startswith("cupy"):
+        raise InvalidArgument(f"{what}: a CuPy device array; pass host memory (or stage device memory)")
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise InvalidArgument(f"{what}: {type(obj).__name__} does not support the buffer protocol") from None
+    if not mv.c_contiguous:
+        raise InvalidArgument(f"{what}: buffer is not C-contiguous")
+    if writable and mv.readonly:
+        raise InvalidArgument(f"{what}: buffer is read-only ({type(obj).__name__}); get_into needs a writable buffer")
+    return np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)

@@ -1,0 +1,320 @@
+"""``KVStoreClient``: the asyncio client library.
+
+Every call is batched: one metadata RPC per call however many keys, bytes moved straight
+between the caller's buffers and the daemons (shared memory on the same host, the data port
+otherwise). Misses are data (counts), never exceptions; errors are
+:mod:`kvstore.errors` classes.
+
+    async with KVStoreClient("127.0.0.1:7100") as c:
+        await c.put(keys, buffers)            # PutStart -> copy -> PutCommit
+        n = await c.lookup(keys)              # leading hit count, no side effects
+        n = await c.get_into(keys, buffers)   # Acquire (lease) -> copy + verify -> Release
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import grpc
+import numpy as np
+
+from kvstore.client.buffers import byte_view
+from kvstore.config import ClientConfig, default_host_id
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, from_rpc_error
+from kvstore.extent import checksum
+from kvstore.keys import KEY_BYTES, pack_keys
+from kvstore.meta.service import GRPC_OPTIONS
+from kvstore.transport.shm import ShmTransport
+from kvstore.transport.tcp import TcpTransport
+from kvstore.v1 import meta_pb2, meta_pb2_grpc
+from kvstore.wire import U8, U32, U64, Placement, locations_from_pb, pack, unpack
+
+log = logging.getLogger("kvstore.client")
+
+# Copies larger than this run in a worker thread so the event loop stays responsive.
+_INLINE_COPY_BYTES = 8 << 20
+
+
+class PutResult(NamedTuple):
+    stored: int  # newly written and committed
+    skipped: int  # already stored or being written by someone else (dedup)
+    rejected: int  # no space even after eviction
+
+
+class KVStoreClient:
+    """Asyncio client. Create it inside a running loop; use ``async with`` or call ``close``."""
+
+    def __init__(self, meta: str | None = None, config: ClientConfig | None = None) -> None:
+        self.cfg = config or ClientConfig()
+        if meta:
+            self.cfg.meta = meta
+        if self.cfg.transport not in ("auto", "shm", "tcp"):
+            raise InvalidArgument(f"client.transport must be auto, shm or tcp, got {self.cfg.transport!r}")
+        self.host_id = self.cfg.host_id or default_host_id()
+        self._channel = grpc.aio.insecure_channel(self.cfg.meta, options=GRPC_OPTIONS)
+        self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
+        self._shm = ShmTransport()
+        self._tcp = TcpTransport(self.cfg.io_timeout_s)
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstore-io")
+        self._pending: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> KVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        await self._channel.close()
+        self._pool.shutdown(wait=True)
+        self._tcp.close()
+        self._shm.close()
+
+    async def _rpc(self, method, request):  # noqa: ANN001
+        try:
+            return await method(request, timeout=self.cfg.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[bytes] | bytes) -> int:
+        """How many leading keys are stored. No side effects (no lease, no recency update)."""
+        resp = await self._rpc(self._stub.Lookup, meta_pb2.LookupRequest(keys=pack_keys(keys)))
+        return resp.hit_count
+
+    async def exists(self, keys: Sequence[bytes] | bytes) -> list[bool]:
+        """Per key, whether it is stored (not only the leading run)."""
+        packed = pack_keys(keys)
+        resp = await self._rpc(self._stub.Lookup, meta_pb2.LookupRequest(keys=packed, per_key=True))
+        return [bool(x) for x in unpack(resp.exists, U8, "exists", len(packed) // KEY_BYTES)]
+
+    async def get_into(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
+        """Loads the longest stored prefix of ``keys`` into ``buffers`` (one per key).
+
+        Returns how many leading blocks were loaded; each one's bytes were verified against
+        its checksum. A checksum mismatch, a lost daemon or an expired lease ends the run
+        there (a miss); blocks after the returned count may hold garbage in their buffers.
+        Raises InvalidArgument if a buffer's size differs from its stored block's.
+        """
+        packed = pack_keys(keys)
+        n = len(packed) // KEY_BYTES
+        if len(buffers) != n:
+            raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
+        dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+        t0 = time.monotonic()
+        resp = await self._rpc(
+            self._stub.Acquire,
+            meta_pb2.AcquireRequest(keys=packed, ttl_ms=int(self.cfg.lease_ttl_s * 1000), host_id=self.host_id),
+        )
+        hit = resp.hit_count
+        if hit == 0:
+            return 0
+        deadline = t0 + resp.ttl_ms / 1000.0
+        places = locations_from_pb(resp.locations, hit)
+        for i, p in enumerate(places):
+            if dests[i].size != p.length:
+                self._release(resp.lease_id, [])
+                raise InvalidArgument(f"buffers[{i}] holds {dests[i].size} bytes but block {i} is {p.length} bytes")
+        key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(hit)]
+        total = sum(p.length for p in places)
+        if total > _INLINE_COPY_BYTES:
+            loaded, corrupt = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._read_run, key_list, places, dests, deadline
+            )
+        else:
+            loaded, corrupt = self._read_run(key_list, places, dests, deadline)
+        self._release(resp.lease_id, corrupt)
+        return loaded
+
+    def _read_run(
+        self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float
+    ) -> tuple[int, list[int]]:
+        """Copies the leased run in order; stops at the first block that fails. Returns
+        (blocks loaded, run indexes to report as corrupt)."""
+        i = 0
+        hit = len(places)
+        while i < hit:
+            if time.monotonic() > deadline:
+                log.info("event=lease_expired_mid_read loaded=%d of=%d", i, hit)
+                return i, []
+            p = places[i]
+            if self._use_shm(p):
+                arena = self._shm.arena(self._shm_path(p), self._segment_size(p))
+                if not ShmTransport.read(arena, p.offset, p.length, dests[i], p.checksum):
+                    log.warning("event=checksum_mismatch transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
+                    return i, [i]
+                i += 1
+                continue
+            # A run of consecutive blocks on the same daemon goes in one TCP request.
+            j = i
+            while j < hit and places[j].daemon.daemon_id == p.daemon.daemon_id and not self._use_shm(places[j]):
+                j += 1
+            items = [(keys[k], places[k].segment_id, places[k].offset, places[k].length, places[k].checksum) for k in range(i, j)]
+            try:
+                ok = self._tcp.read(p.daemon.data_addr, items, dests[i:j])
+            except (Unavailable, InvalidArgument) as e:
+                log.info("event=daemon_unreachable daemon=%s reason=%r", p.daemon.daemon_id, str(e))
+                return i, []
+            for k, good in enumerate(ok):
+                if not good:
+                    log.warning("event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, i + k)
+                    return i + k, [i + k]
+            i = j
+        return hit, []
+
+    def _release(self, lease_id: int, corrupt: list[int]) -> None:
+        """Ends a lease without waiting for the answer (the lease would lapse anyway)."""
+        req = meta_pb2.ReleaseRequest(lease_id=lease_id, corrupt=pack(corrupt, U32))
+
+        async def go() -> None:
+            try:
+                await self._stub.Release(req, timeout=self.cfg.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.info("event=release_failed lease=%d code=%s", lease_id, e.code().name)
+
+        task = asyncio.get_running_loop().create_task(go())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    def _use_shm(self, p: Placement) -> bool:
+        if self.cfg.transport == "tcp":
+            return False
+        path = self._shm_path(p)
+        usable = p.daemon.host_id == self.host_id and self._shm.usable(path)
+        if self.cfg.transport == "shm" and not usable:
+            raise Unavailable(f"daemon {p.daemon.daemon_id} is not reachable through shared memory from this host")
+        return usable
+
+    @staticmethod
+    def _segment(p: Placement):  # noqa: ANN205
+        for s in p.daemon.segments:
+            if s.segment_id == p.segment_id:
+                return s
+        raise Unavailable(f"daemon {p.daemon.daemon_id} has no segment {p.segment_id}")
+
+    def _shm_path(self, p: Placement) -> str:
+        return self._segment(p).shm_path
+
+    def _segment_size(self, p: Placement) -> int:
+        return self._segment(p).capacity_bytes
+
+    # ---- writes -----------------------------------------------------------------------------
+
+    async def put(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any], *, chain: bool = True) -> PutResult:
+        """Stores blocks; keys already stored (or being stored) are skipped.
+
+        ``chain``: the keys are one prefix chain in order (the usual case), which lets the
+        service keep a chain's head longer than its tail. A daemon that fails mid-write is
+        excluded and its blocks are placed elsewhere (``client.retries`` times).
+        """
+        packed = pack_keys(keys)
+        n = len(packed) // KEY_BYTES
+        if len(buffers) != n:
+            raise InvalidArgument(f"put: {len(buffers)} buffers for {n} keys")
+        srcs = [byte_view(b, writable=False, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+        for i, s in enumerate(srcs):
+            if s.size == 0:
+                raise InvalidArgument(f"buffers[{i}] is empty: blocks must hold at least one byte")
+        stored = skipped = rejected = 0
+        todo = list(range(n))
+        excluded: list[str] = []
+        for attempt in range(self.cfg.retries + 1):
+            sub = b"".join(packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in todo)
+            resp = await self._rpc(
+                self._stub.PutStart,
+                meta_pb2.PutStartRequest(
+                    keys=sub,
+                    sizes=pack([srcs[i].size for i in todo], U64),
+                    chain=chain and attempt == 0,
+                    host_id=self.host_id,
+                    timeout_ms=int(self.cfg.put_timeout_s * 1000),
+                    exclude_daemons=excluded,
+                ),
+            )
+            status = unpack(resp.status, U8, "status", len(todo))
+            skipped += sum(1 for s in status if s in (1, 2))
+            rejected += sum(1 for s in status if s == 3)
+            alloc = [todo[k] for k, s in enumerate(status) if s == 0]
+            if not alloc:
+                break
+            places = locations_from_pb(resp.placements, len(alloc))
+            total = sum(srcs[i].size for i in alloc)
+            args = (packed, alloc, places, srcs)
+            if total > _INLINE_COPY_BYTES:
+                sums, written, failed = await asyncio.get_running_loop().run_in_executor(self._pool, self._write_all, *args)
+            else:
+                sums, written, failed = self._write_all(*args)
+            commit = await self._rpc(
+                self._stub.PutCommit,
+                meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack(sums, U64), written=pack(written, U8)),
+            )
+            stored += commit.committed
+            todo = [i for i, w in zip(alloc, written) if not w]
+            if not todo:
+                break
+            excluded.extend(d for d in failed if d not in excluded)
+            log.info("event=put_retry blocks=%d excluded=%s", len(todo), ",".join(excluded))
+        else:
+            if todo:
+                raise Unavailable(f"put: {len(todo)} blocks could not be written after {self.cfg.retries + 1} attempts")
+        return PutResult(stored, skipped, rejected)
+
+    def _write_all(
+        self, packed: bytes, alloc: list[int], places: list[Placement], srcs: list[np.ndarray]
+    ) -> tuple[list[int], list[int], list[str]]:
+        sums = [checksum(srcs[i]) for i in alloc]
+        written = [0] * len(alloc)
+        failed: list[str] = []
+        tcp_groups: dict[str, list[int]] = {}
+        for k, (i, p) in enumerate(zip(alloc, places)):
+            key = packed[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+            if self._use_shm(p):
+                arena = self._shm.arena(self._shm_path(p), self._segment_size(p))
+                ShmTransport.write(arena, p.offset, key, srcs[i], sums[k])
+                written[k] = 1
+            else:
+                tcp_groups.setdefault(p.daemon.data_addr, []).append(k)
+        for addr, ks in tcp_groups.items():
+            items = [
+                (packed[alloc[k] * KEY_BYTES : (alloc[k] + 1) * KEY_BYTES], places[k].segment_id, places[k].offset,
+                 places[k].length, sums[k])
+                for k in ks
+            ]  # fmt: skip
+            try:
+                ok = self._tcp.write(addr, items, [srcs[alloc[k]] for k in ks])
+            except KVStoreError as e:
+                log.info("event=write_failed addr=%s reason=%r", addr, str(e))
+                failed.append(places[ks[0]].daemon.daemon_id)
+                continue
+            for k, good in zip(ks, ok):
+                written[k] = int(good)
+        return sums, written, failed
+
+    # ---- management -------------------------------------------------------------------------
+
+    async def remove(self, keys: Sequence[bytes] | bytes) -> int:
+        """Removes stored keys; returns how many were removed. Leased bytes stay valid until
+        their lease ends."""
+        return (await self._rpc(self._stub.Remove, meta_pb2.KeysRequest(keys=pack_keys(keys)))).count
+
+    async def pin(self, keys: Sequence[bytes] | bytes) -> int:
+        """Keeps stored keys from eviction until unpinned; returns how many changed."""
+        return (await self._rpc(self._stub.Pin, meta_pb2.KeysRequest(keys=pack_keys(keys)))).count
+
+    async def unpin(self, keys: Sequence[bytes] | bytes) -> int:
+        return (await self._rpc(self._stub.Unpin, meta_pb2.KeysRequest(keys=pack_keys(keys)))).count
+
+    async def stats(self) -> meta_pb2.StatsResponse:
+        return await self._rpc(self._stub.Stats, meta_pb2.StatsRequest())
+
+    async def advance_clock(self, seconds: float) -> float:
+        """Skews the service's clock (only when started with ``meta.allow_clock_skew``)."""
+        return (await self._rpc(self._stub.AdvanceClock, meta_pb2.AdvanceClockRequest(seconds=seconds))).now

@@ -1,0 +1,71 @@
+"""``SyncKVStoreClient``: the blocking facade over :class:`KVStoreClient`.
+
+It runs one private event loop in a daemon thread and forwards each call to it, so the async
+client stays the single implementation. Safe to call from several threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.client.client import KVStoreClient, PutResult
+from kvstore.config import ClientConfig
+
+
+class SyncKVStoreClient:
+    def __init__(self, meta: str | None = None, config: ClientConfig | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
+        self._thread.start()
+        self._client: KVStoreClient = self._run(self._make(meta, config))
+
+    @staticmethod
+    async def _make(meta: str | None, config: ClientConfig | None) -> KVStoreClient:
+        return KVStoreClient(meta, config)
+
+    def _run(self, coro):  # noqa: ANN001, ANN202
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> SyncKVStoreClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def lookup(self, keys: Sequence[bytes] | bytes) -> int:
+        return self._run(self._client.lookup(keys))
+
+    def exists(self, keys: Sequence[bytes] | bytes) -> list[bool]:
+        return self._run(self._client.exists(keys))
+
+    def get_into(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
+        return self._run(self._client.get_into(keys, buffers))
+
+    def put(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any], *, chain: bool = True) -> PutResult:
+        return self._run(self._client.put(keys, buffers, chain=chain))
+
+    def remove(self, keys: Sequence[bytes] | bytes) -> int:
+        return self._run(self._client.remove(keys))
+
+    def pin(self, keys: Sequence[bytes] | bytes) -> int:
+        return self._run(self._client.pin(keys))
+
+    def unpin(self, keys: Sequence[bytes] | bytes) -> int:
+        return self._run(self._client.unpin(keys))
+
+    def stats(self):  # noqa: ANN201
+        return self._run(self._client.stats())
+
+    def advance_clock(self, seconds: float) -> float:
+        return self._run(self._client.advance_clock(seconds))

@@ -1,0 +1,172 @@
+"""Configuration: one dataclass tree, filled from (later wins) defaults, a YAML file,
+``KVSTORE_<SECTION>__<KEY>`` environment variables and ``section.key=value`` overrides.
+
+Unknown keys are refused by name. Sizes accept suffixes: ``512MiB``, ``2GiB``, ``1.5GB``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import InvalidArgument
+
+ENV_PREFIX = "KVSTORE_"
+
+
+@dataclass
+class MetaConfig:
+    listen: str = "127.0.0.1:7100"
+    max_batch_keys: int = 16384
+    max_block_bytes: int = 1 << 30
+    put_timeout_s: float = 30.0
+    lease_ttl_s: float = 10.0
+    daemon_ttl_s: float = 3.0
+    heartbeat_interval_s: float = 0.5
+    sweep_interval_s: float = 0.1
+    # Lets AdvanceClock skew the service's clock: for tests of deadlines, never in production.
+    allow_clock_skew: bool = False
+
+
+@dataclass
+class DaemonConfig:
+    meta: str = "127.0.0.1:7100"
+    # Stable identity across restarts; empty = kept in data_dir/daemon.id.
+    daemon_id: str = ""
+    # Address to bind and advertise for the data port and the control API.
+    host: str = "127.0.0.1"
+    data_port: int = 0
+    control_port: int = 0
+    data_dir: str = "./kvstore-data"
+    dram_bytes: int = 1 << 30
+    shm_dir: str = "/dev/shm"
+    # Equal host ids mean clients can map this daemon's shared memory; empty = auto.
+    host_id: str = ""
+
+
+@dataclass
+class ClientConfig:
+    meta: str = "127.0.0.1:7100"
+    # auto: shared memory for daemons on this host, TCP otherwise; or force "shm" / "tcp".
+    transport: str = "auto"
+    put_timeout_s: float = 0.0  # 0 = the service's default
+    lease_ttl_s: float = 0.0
+    rpc_timeout_s: float = 10.0
+    io_timeout_s: float = 10.0
+    retries: int = 2
+    host_id: str = ""
+
+
+@dataclass
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass
+class Config:
+    meta: MetaConfig = field(default_factory=MetaConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6, "mb": 10**6,
+          "mib": 1 << 20, "mi": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "gi": 1 << 30,
+          "t": 10**12, "tb": 10**12, "tib": 1 << 40, "ti": 1 << 40}  # fmt: skip
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise InvalidArgument(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _coerce(value: Any, typ: str, what: str) -> Any:
+    try:
+        if typ == "int":
+            return parse_size(value, what) if what.endswith("_bytes") else int(value)
+        if typ == "float":
+            return float(value)
+        if typ == "bool":
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return str(value)
+    except InvalidArgument:
+        raise
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{what}: expected {typ}, got {value!r}") from None
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
+    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    if section not in sections:
+        raise InvalidArgument(f"{source}: unknown config section {section!r} (known: {', '.join(sections)})")
+    sub = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(sub)}
+    if key not in fields:
+        raise InvalidArgument(f"{source}: unknown config key {section}.{key} (known: {', '.join(fields)})")
+    typ = fields[key].type if isinstance(fields[key].type, str) else fields[key].type.__name__
+    setattr(sub, key, _coerce(value, typ, f"{section}.{key}"))
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Iterable[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Builds the configuration. Raises InvalidArgument naming any unknown or malformed key."""
+    cfg = Config()
+    env = os.environ if env is None else env
+    path = path or env.get(ENV_PREFIX + "CONFIG") or None
+    if path:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise InvalidArgument(f"config file {path}: {e.strerror}") from None
+        if not isinstance(data, dict):
+            raise InvalidArgument(f"config file {path}: expected a mapping of sections")
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise InvalidArgument(f"config file {path}: section {section!r} must be a mapping")
+            for key, value in values.items():
+                _apply(cfg, str(section), str(key), value, f"config file {path}")
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+            _apply(cfg, section, key, value, f"environment {name}")
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not sep or not dot:
+            raise InvalidArgument(f"override {item!r}: expected section.key=value")
+        _apply(cfg, section, key, value, f"override {item!r}")
+    return cfg
+
+
+def default_host_id() -> str:
+    """Identifies this host for the shared-memory path: hostname plus kernel boot id."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

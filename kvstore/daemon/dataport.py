@@ -1,0 +1,159 @@
+"""The daemon's data port: batched reads and writes of extents over framed TCP
+(:mod:`kvstore.transport.frames`), straight between the socket and the arena.
+
+One thread per connection with blocking sockets: ``recv_into`` the arena and ``sendall`` from
+it release the GIL, so the kernel copy is the only copy. Frames are validated whole before any
+byte is applied; a bad frame gets its reason back and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from kvstore.extent import HEADER_SIZE, checksum, pack_header, parse_header
+from kvstore.transport.frames import (
+    ENTRY,
+    MAGIC,
+    MAX_ENTRIES,
+    REQ_HEAD,
+    RESP_HEAD,
+    VERSION,
+    EntryStatus,
+    FrameStatus,
+    Op,
+    recv_bytes,
+    recv_exact,
+)
+
+log = logging.getLogger("kvstore.daemon.dataport")
+
+
+class FrameError(Exception):
+    pass
+
+
+class DataPort:
+    """Serves the segments returned by ``segments()`` (segment_id -> arena) on a TCP port."""
+
+    def __init__(self, host: str, port: int, segments: Callable[[], dict]) -> None:
+        self._segments = segments
+        self._sock = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self.port = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.counters = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "bad_frames": 0}
+        self._thread = threading.Thread(target=self._accept_loop, name="dataport-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            for c in list(self._conns):
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="dataport-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        head = bytearray(REQ_HEAD.size)
+        try:
+            while recv_exact(conn, memoryview(head)):
+                magic, version, op, _flags, req_id, count = REQ_HEAD.unpack(head)
+                try:
+                    if magic != MAGIC:
+                        raise FrameError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+                    if version != VERSION:
+                        raise FrameError(f"unsupported protocol version {version}, expected {VERSION}")
+                    if op not in (Op.READ, Op.WRITE, Op.PING):
+                        raise FrameError(f"unknown op {op}")
+                    if count > MAX_ENTRIES:
+                        raise FrameError(f"{count} entries is over the limit of {MAX_ENTRIES}")
+                    raw = recv_bytes(conn, count * ENTRY.size) if count else b""
+                    if raw is None:
+                        return
+                    entries = list(ENTRY.iter_unpack(raw)) if count else []
+                    arenas = self._check(entries, op)
+                except FrameError as e:
+                    self.counters["bad_frames"] += 1
+                    log.info("event=bad_frame reason=%r", str(e))
+                    msg = str(e).encode()[:4096]
+                    conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.BAD_FRAME, op & 0xFF, 0, req_id, 0, len(msg)) + msg)
+                    return
+                if op == Op.READ:
+                    self._read(conn, op, req_id, entries, arenas)
+                elif op == Op.WRITE:
+                    self._write(conn, op, req_id, entries, arenas)
+                else:
+                    conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, 0, 0))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _check(self, entries: list[tuple], op: int) -> list:
+        segs = self._segments()
+        arenas = []
+        for i, (_key, seg_id, _r, off, length, _c) in enumerate(entries):
+            arena = segs.get(seg_id)
+            if arena is None:
+                raise FrameError(f"entry {i}: unknown segment {seg_id}")
+            if length <= 0 or off < 0 or off + HEADER_SIZE + length > arena.size:
+                raise FrameError(f"entry {i}: extent offset {off} length {length} is outside segment {seg_id} of {arena.size} bytes")
+            arenas.append(arena)
+        return arenas
+
+    def _read(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list) -> None:
+        status = bytearray(len(entries))
+        for i, ((key, _s, _r, off, length, _c), arena) in enumerate(zip(entries, arenas)):
+            h = parse_header(arena.view, off)
+            if h is None or h.key != key or h.length != length:
+                status[i] = EntryStatus.MISMATCH
+        conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0) + bytes(status))
+        sent = 0
+        for i, ((_k, _s, _r, off, length, _c), arena) in enumerate(zip(entries, arenas)):
+            if status[i] == EntryStatus.OK:
+                conn.sendall(arena.view[off + HEADER_SIZE : off + HEADER_SIZE + length])
+                sent += length
+        self.counters["reads"] += len(entries)
+        self.counters["read_bytes"] += sent
+
+    def _write(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list) -> None:
+        status = bytearray(len(entries))
+        total = 0
+        for i, ((key, _s, _r, off, length, csum), arena) in enumerate(zip(entries, arenas)):
+            arena.clear_header(off)
+            payload = arena.view[off + HEADER_SIZE : off + HEADER_SIZE + length]
+            if not recv_exact(conn, payload):
+                raise ConnectionError("peer closed mid-write")
+            if checksum(payload) != csum:
+                status[i] = EntryStatus.CHECKSUM
+                continue
+            arena.view[off : off + HEADER_SIZE] = pack_header(key, length, csum)
+            total += length
+        conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0) + bytes(status))
+        self.counters["writes"] += len(entries)
+        self.counters["write_bytes"] += total

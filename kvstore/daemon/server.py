@@ -1,0 +1,175 @@
+"""The cache daemon: owns this host's segments, serves their bytes, keeps the index informed.
+
+- DRAM segment: a shared-memory arena (:class:`~kvstore.daemon.arena.ShmArena`) that same-host
+  clients map and write directly; it survives a daemon crash and is reattached on restart.
+- Data port: framed TCP reads and writes for other hosts (:mod:`kvstore.daemon.dataport`).
+- Control API (gRPC): ``Info``, ``GetInventory`` and health checking.
+- Registration: on start, and whenever the metadata service answers a heartbeat with "unknown"
+  (it restarted, or our lease lapsed), the daemon registers again with a fresh scan of its
+  segments, so the index is rebuilt from what the daemon really holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.config import DaemonConfig, default_host_id
+from kvstore.daemon.arena import ShmArena
+from kvstore.daemon.dataport import DataPort
+from kvstore.extent import scan
+from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.meta.service import GRPC_OPTIONS
+from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc, meta_pb2, meta_pb2_grpc
+from kvstore.wire import U64, pack, unpack
+
+log = logging.getLogger("kvstore.daemon")
+
+DRAM_SEGMENT = 1
+
+
+def _inventory(segment_id: int, arena: ShmArena, verify: bool = True) -> tuple[common_pb2.Inventory, int]:
+    found, discarded = scan(arena.array, verify=verify)
+    return (
+        common_pb2.Inventory(
+            segment_id=segment_id,
+            keys=b"".join(h.key for h in found),
+            offset=pack([h.offset for h in found], U64),
+            length=pack([h.length for h in found], U64),
+            checksum=pack([h.checksum for h in found], U64),
+            seq=pack([h.seq for h in found], U64),
+        ),
+        discarded,
+    )
+
+
+class _Control(daemon_pb2_grpc.DaemonControlServicer):
+    def __init__(self, daemon: CacheDaemon) -> None:
+        self.daemon = daemon
+
+    async def Info(self, request, context):
+        return self.daemon.info()
+
+    async def GetInventory(self, request, context):
+        invs, discarded = self.daemon.inventory(verify=request.verify)
+        return daemon_pb2.InventoryResponse(inventory=invs, discarded=discarded)
+
+
+class CacheDaemon:
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        data_dir = Path(cfg.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.daemon_id = cfg.daemon_id or self._stable_id(data_dir)
+        self.host_id = cfg.host_id or default_host_id()
+        shm_path = Path(cfg.shm_dir) / f"kvstore-{self.daemon_id}-dram"
+        self.dram = ShmArena(shm_path, cfg.dram_bytes, create=True)
+        self.segments = {DRAM_SEGMENT: self.dram}
+        self.dataport = DataPort(cfg.host, cfg.data_port, lambda: self.segments)
+        self.control_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: meta_pb2_grpc.MetaServiceStub | None = None
+        self._hb_task: asyncio.Task | None = None
+        self.registered = asyncio.Event()
+        self.registrations = 0
+
+    @staticmethod
+    def _stable_id(data_dir: Path) -> str:
+        p = data_dir / "daemon.id"
+        if p.exists():
+            return p.read_text().strip()
+        did = uuid.uuid4().hex[:12]
+        p.write_text(did + "\n")
+        return did
+
+    def info(self) -> common_pb2.DaemonInfo:
+        return common_pb2.DaemonInfo(
+            daemon_id=self.daemon_id,
+            host_id=self.host_id,
+            data_addr=f"{self.cfg.host}:{self.dataport.port}",
+            control_addr=f"{self.cfg.host}:{self.control_port}",
+            segments=[
+                common_pb2.Segment(
+                    segment_id=DRAM_SEGMENT, tier=common_pb2.TIER_DRAM, capacity_bytes=self.dram.size, shm_path=self.dram.path
+                )
+            ],
+        )
+
+    def inventory(self, verify: bool = True) -> tuple[list[common_pb2.Inventory], int]:
+        inv, discarded = _inventory(DRAM_SEGMENT, self.dram, verify)
+        return [inv], discarded
+
+    async def start(self) -> None:
+        self.dataport.start()
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        daemon_pb2_grpc.add_DaemonControlServicer_to_server(_Control(self), self._server)
+        hs = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
+        self.control_port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.control_port}")
+        await self._server.start()
+        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._channel = grpc.aio.insecure_channel(self.cfg.meta, options=GRPC_OPTIONS)
+        self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
+        log.info(
+            "event=daemon_started daemon=%s data_port=%d control_port=%d dram_bytes=%d reattached=%s",
+            self.daemon_id, self.dataport.port, self.control_port, self.dram.size, self.dram.reattached,
+        )  # fmt: skip
+        self._hb_task = asyncio.create_task(self._heartbeat_loop())
+
+    async def _register(self) -> float:
+        assert self._stub is not None
+        invs, discarded = await asyncio.to_thread(self.inventory, True)
+        resp = await self._stub.RegisterDaemon(meta_pb2.RegisterDaemonRequest(daemon=self.info(), inventory=invs), timeout=30)
+        self.registrations += 1
+        blocks = sum(len(i.keys) // KEY_BYTES for i in invs)
+        log.info(
+            "event=registered daemon=%s blocks=%d discarded=%d rejected=%d", self.daemon_id, blocks, discarded, resp.rejected
+        )
+        self.registered.set()
+        return max(resp.heartbeat_interval_ms / 1000.0, 0.01)
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._stub is not None
+        interval = 0.5
+        need_register = True
+        while True:
+            try:
+                if need_register:
+                    interval = await self._register()
+                    need_register = False
+                else:
+                    resp = await self._stub.Heartbeat(meta_pb2.HeartbeatRequest(daemon_id=self.daemon_id), timeout=5)
+                    self._invalidate(resp.invalidations)
+                    if not resp.known:
+                        log.info("event=meta_forgot_us daemon=%s action=reregister", self.daemon_id)
+                        need_register = True
+                        continue
+            except grpc.aio.AioRpcError as e:
+                # A restarted service answers "unknown" to the next heartbeat; until then, wait.
+                log.debug("event=meta_unreachable code=%s", e.code().name)
+            await asyncio.sleep(interval)
+
+    def _invalidate(self, invalidations) -> None:  # noqa: ANN001
+        for inv in invalidations:
+            arena = self.segments.get(inv.segment_id)
+            if arena is None:
+                continue
+            keys = unpack_keys(inv.keys)
+            for key, off in zip(keys, unpack(inv.offset, U64, "offset", len(keys))):
+                arena.invalidate(off, key)
+
+    async def stop(self) -> None:
+        if self._hb_task:
+            self._hb_task.cancel()
+        self.dataport.stop()
+        if self._server:
+            await self._server.stop(0.2)
+        if self._channel:
+            await self._channel.close()
+        self.dram.close()

@@ -1,0 +1,68 @@
+"""The data port's framed TCP protocol, shared by the daemon and the client.
+
+A request is a head, ``count`` entries, then (WRITE only) the payloads in entry order::
+
+    head  = magic "KVD1" | version u8 | op u8 | flags u16 | request_id u64 | count u32     (20 B)
+    entry = key 16s | segment_id u32 | reserved u32 | offset u64 | length u64 | checksum u64 (48 B)
+
+A response is a head, a message (non-empty only on a frame error), one status byte per entry,
+then (READ only) the payloads of the entries whose status is OK, in entry order::
+
+    head  = magic "KVD1" | status u8 | op u8 | flags u16 | request_id u64 | count u32 | msg_len u32 (24 B)
+
+A frame error (bad magic, version, op, count, range) is answered with its message and the
+connection is closed: nothing of that request was applied. ``offset`` is the extent's start
+(its header); payload bytes live at ``offset + 64``.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from enum import IntEnum
+
+MAGIC = b"KVD1"
+VERSION = 1
+REQ_HEAD = struct.Struct("<4sBBHQI")
+ENTRY = struct.Struct("<16sIIQQQ")
+RESP_HEAD = struct.Struct("<4sBBHQII")
+MAX_ENTRIES = 65536
+MAX_MESSAGE = 4096
+
+
+class Op(IntEnum):
+    READ = 1
+    WRITE = 2
+    PING = 3
+
+
+class FrameStatus(IntEnum):
+    OK = 0
+    BAD_FRAME = 1
+
+
+class EntryStatus(IntEnum):
+    OK = 0
+    MISMATCH = 1  # the extent no longer holds this key (evicted, overwritten)
+    CHECKSUM = 2  # written bytes do not match the checksum sent with them
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fills ``view`` from the socket. False if the peer closed before the first byte."""
+    n = len(view)
+    pos = 0
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if got == 0:
+            if pos == 0:
+                return False
+            raise ConnectionError(f"peer closed after {pos} of {n} bytes")
+        pos += got
+    return True
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    if n and not recv_exact(sock, memoryview(buf)):
+        return None
+    return bytes(buf)

@@ -1,0 +1,49 @@
+"""Same-host transport: the client maps the daemon's shared-memory segment and copies.
+
+Reads copy then verify the checksum on the copy (the only bytes that matter are the ones the
+caller got); writes clear the header, copy the payload, then write the header.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from kvstore.daemon.arena import ShmArena
+from kvstore.extent import HEADER_SIZE, checksum, pack_header
+
+
+class ShmTransport:
+    def __init__(self) -> None:
+        self._arenas: dict[str, ShmArena] = {}
+
+    def usable(self, shm_path: str) -> bool:
+        return bool(shm_path) and (shm_path in self._arenas or os.path.exists(shm_path))
+
+    def arena(self, shm_path: str, size: int) -> ShmArena:
+        a = self._arenas.get(shm_path)
+        if a is None or a.size != size:
+            a = self._arenas[shm_path] = ShmArena(shm_path, size)
+        return a
+
+    @staticmethod
+    def read(arena: ShmArena, offset: int, length: int, dest: np.ndarray, csum: int) -> bool:
+        """Copies one payload into ``dest``; True if the copy matches ``csum``."""
+        start = offset + HEADER_SIZE
+        if start + length > arena.size:
+            return False
+        np.copyto(dest, arena.array[start : start + length])
+        return checksum(dest) == csum
+
+    @staticmethod
+    def write(arena: ShmArena, offset: int, key: bytes, src: np.ndarray, csum: int) -> None:
+        start = offset + HEADER_SIZE
+        arena.clear_header(offset)
+        np.copyto(arena.array[start : start + src.size], src)
+        arena.view[offset:start] = pack_header(key, src.size, csum)
+
+    def close(self) -> None:
+        for a in self._arenas.values():
+            a.close()
+        self._arenas.clear()

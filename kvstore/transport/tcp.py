@@ -1,0 +1,119 @@
+"""Cross-host transport: batched READ / WRITE frames to a daemon's data port.
+
+Blocking sockets, meant to run in a worker thread: ``recv_into`` lands payloads straight in the
+caller's buffers. Connections are pooled per daemon address and dropped on any error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.extent import checksum
+from kvstore.transport.frames import (
+    ENTRY,
+    MAGIC,
+    REQ_HEAD,
+    RESP_HEAD,
+    VERSION,
+    EntryStatus,
+    FrameStatus,
+    Op,
+    recv_bytes,
+    recv_exact,
+)
+
+
+class TcpTransport:
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def _connect(self, addr: str) -> socket.socket:
+        with self._lock:
+            pool = self._idle.get(addr)
+            if pool:
+                return pool.pop()
+        host, _, port = addr.rpartition(":")
+        try:
+            s = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        except OSError as e:
+            raise Unavailable(f"data port {addr} unreachable: {e}") from None
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    def _give_back(self, addr: str, s: socket.socket) -> None:
+        with self._lock:
+            self._idle.setdefault(addr, []).append(s)
+
+    def _request(self, addr: str, op: Op, entries: list[bytes], payloads: Sequence[np.ndarray] = ()):
+        s = self._connect(addr)
+        req_id = next(self._ids)
+        try:
+            head = REQ_HEAD.pack(MAGIC, VERSION, op, 0, req_id, len(entries))
+            s.sendall(head + b"".join(entries))
+            for p in payloads:
+                s.sendall(memoryview(p))
+            raw = recv_bytes(s, RESP_HEAD.size)
+            if raw is None:
+                raise Unavailable(f"data port {addr} closed the connection")
+            magic, status, _op, _f, rid, count, msg_len = RESP_HEAD.unpack(raw)
+            msg = recv_bytes(s, msg_len) if msg_len else b""
+            if magic != MAGIC or rid != req_id:
+                raise Unavailable(f"data port {addr} answered a malformed frame")
+            if status != FrameStatus.OK:
+                s.close()
+                raise InvalidArgument(f"data port {addr} refused the frame: {(msg or b'').decode(errors='replace')}")
+            statuses = recv_bytes(s, count) if count else b""
+            if count != len(entries) or statuses is None:
+                raise Unavailable(f"data port {addr} answered {count} statuses for {len(entries)} entries")
+            return s, statuses
+        except OSError as e:
+            s.close()
+            raise Unavailable(f"data port {addr}: {e}") from None
+        except Exception:
+            s.close()
+            raise
+
+    def read(self, addr: str, items: Sequence[tuple], dests: Sequence[np.ndarray]) -> list[bool]:
+        """Reads ``items`` (key, segment_id, offset, length, checksum) into ``dests``.
+
+        Returns per item whether its bytes arrived and match the checksum. Raises Unavailable
+        if the daemon cannot be reached (the caller turns that into misses).
+        """
+        entries = [ENTRY.pack(k, seg, 0, off, n, c) for (k, seg, off, n, c) in items]
+        s, statuses = self._request(addr, Op.READ, entries)
+        ok: list[bool] = []
+        try:
+            for (_k, _s, _o, _n, c), dest, st in zip(items, dests, statuses):
+                if st != EntryStatus.OK:
+                    ok.append(False)
+                    continue
+                recv_exact(s, memoryview(dest))
+                ok.append(checksum(dest) == c)
+        except OSError as e:
+            s.close()
+            raise Unavailable(f"data port {addr}: {e}") from None
+        self._give_back(addr, s)
+        return ok
+
+    def write(self, addr: str, items: Sequence[tuple], srcs: Sequence[np.ndarray]) -> list[bool]:
+        """Writes payloads to their extents; per item whether the daemon stored it whole."""
+        entries = [ENTRY.pack(k, seg, 0, off, n, c) for (k, seg, off, n, c) in items]
+        s, statuses = self._request(addr, Op.WRITE, entries, srcs)
+        self._give_back(addr, s)
+        return [st == EntryStatus.OK for st in statuses]
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._idle.values():
+                for s in pool:
+                    s.close()
+            self._idle.clear()

@@ -1,0 +1,79 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_SSD: _ClassVar[Tier]
+    TIER_GPU: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+TIER_DRAM: Tier
+TIER_SSD: Tier
+TIER_GPU: Tier
+
+class Segment(_message.Message):
+    __slots__ = ("segment_id", "tier", "capacity_bytes", "shm_path")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    tier: Tier
+    capacity_bytes: int
+    shm_path: str
+    def __init__(self, segment_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ...) -> None: ...
+
+class DaemonInfo(_message.Message):
+    __slots__ = ("daemon_id", "host_id", "data_addr", "control_addr", "segments")
+    DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    daemon_id: str
+    host_id: str
+    data_addr: str
+    control_addr: str
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, daemon_id: _Optional[str] = ..., host_id: _Optional[str] = ..., data_addr: _Optional[str] = ..., control_addr: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class Locations(_message.Message):
+    __slots__ = ("daemon_index", "segment_id", "offset", "length", "checksum", "tier", "daemons")
+    DAEMON_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DAEMONS_FIELD_NUMBER: _ClassVar[int]
+    daemon_index: bytes
+    segment_id: bytes
+    offset: bytes
+    length: bytes
+    checksum: bytes
+    tier: bytes
+    daemons: _containers.RepeatedCompositeFieldContainer[DaemonInfo]
+    def __init__(self, daemon_index: _Optional[bytes] = ..., segment_id: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., tier: _Optional[bytes] = ..., daemons: _Optional[_Iterable[_Union[DaemonInfo, _Mapping]]] = ...) -> None: ...
+
+class Inventory(_message.Message):
+    __slots__ = ("segment_id", "keys", "offset", "length", "checksum", "seq")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    keys: bytes
+    offset: bytes
+    length: bytes
+    checksum: bytes
+    seq: bytes
+    def __init__(self, segment_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., seq: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,255 @@
+from kvstore.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUT_ALLOCATED: _ClassVar[PutStatus]
+    PUT_SKIP_EXISTS: _ClassVar[PutStatus]
+    PUT_SKIP_INFLIGHT: _ClassVar[PutStatus]
+    PUT_NO_SPACE: _ClassVar[PutStatus]
+PUT_ALLOCATED: PutStatus
+PUT_SKIP_EXISTS: PutStatus
+PUT_SKIP_INFLIGHT: PutStatus
+PUT_NO_SPACE: PutStatus
+
+class RegisterDaemonRequest(_message.Message):
+    __slots__ = ("daemon", "inventory")
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    daemon: _common_pb2.DaemonInfo
+    inventory: _containers.RepeatedCompositeFieldContainer[_common_pb2.Inventory]
+    def __init__(self, daemon: _Optional[_Union[_common_pb2.DaemonInfo, _Mapping]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.Inventory, _Mapping]]] = ...) -> None: ...
+
+class RegisterDaemonResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_ms", "lease_ttl_ms", "rejected")
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    lease_ttl_ms: int
+    rejected: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("daemon_id",)
+    DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    daemon_id: str
+    def __init__(self, daemon_id: _Optional[str] = ...) -> None: ...
+
+class Invalidation(_message.Message):
+    __slots__ = ("segment_id", "keys", "offset")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    keys: bytes
+    offset: bytes
+    def __init__(self, segment_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., offset: _Optional[bytes] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known", "invalidations")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    INVALIDATIONS_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    invalidations: _containers.RepeatedCompositeFieldContainer[Invalidation]
+    def __init__(self, known: _Optional[bool] = ..., invalidations: _Optional[_Iterable[_Union[Invalidation, _Mapping]]] = ...) -> None: ...
+
+class PutStartRequest(_message.Message):
+    __slots__ = ("keys", "sizes", "chain", "host_id", "timeout_ms", "exclude_daemons")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_DAEMONS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    sizes: bytes
+    chain: bool
+    host_id: str
+    timeout_ms: int
+    exclude_daemons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[bytes] = ..., chain: _Optional[bool] = ..., host_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., exclude_daemons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PutStartResponse(_message.Message):
+    __slots__ = ("put_id", "status", "placements", "deadline_unix_ms")
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    put_id: int
+    status: bytes
+    placements: _common_pb2.Locations
+    deadline_unix_ms: int
+    def __init__(self, put_id: _Optional[int] = ..., status: _Optional[bytes] = ..., placements: _Optional[_Union[_common_pb2.Locations, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class PutCommitRequest(_message.Message):
+    __slots__ = ("put_id", "checksums", "written")
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    put_id: int
+    checksums: bytes
+    written: bytes
+    def __init__(self, put_id: _Optional[int] = ..., checksums: _Optional[bytes] = ..., written: _Optional[bytes] = ...) -> None: ...
+
+class PutCommitResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+
+class PutAbortRequest(_message.Message):
+    __slots__ = ("put_id",)
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    put_id: int
+    def __init__(self, put_id: _Optional[int] = ...) -> None: ...
+
+class PutAbortResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys", "per_key", "with_locations")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PER_KEY_FIELD_NUMBER: _ClassVar[int]
+    WITH_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    per_key: bool
+    with_locations: bool
+    def __init__(self, keys: _Optional[bytes] = ..., per_key: _Optional[bool] = ..., with_locations: _Optional[bool] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hit_count", "exists", "locations")
+    HIT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    hit_count: int
+    exists: bytes
+    locations: _common_pb2.Locations
+    def __init__(self, hit_count: _Optional[int] = ..., exists: _Optional[bytes] = ..., locations: _Optional[_Union[_common_pb2.Locations, _Mapping]] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("keys", "ttl_ms", "host_id")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    ttl_ms: int
+    host_id: str
+    def __init__(self, keys: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("hit_count", "lease_id", "locations", "ttl_ms")
+    HIT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    hit_count: int
+    lease_id: int
+    locations: _common_pb2.Locations
+    ttl_ms: int
+    def __init__(self, hit_count: _Optional[int] = ..., lease_id: _Optional[int] = ..., locations: _Optional[_Union[_common_pb2.Locations, _Mapping]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id", "corrupt")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    corrupt: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., corrupt: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...
+
+class CountResponse(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SegmentStats(_message.Message):
+    __slots__ = ("daemon_id", "segment_id", "tier", "capacity_bytes", "used_bytes", "blocks", "pinned_blocks", "leased_blocks")
+    DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    daemon_id: str
+    segment_id: int
+    tier: _common_pb2.Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    pinned_blocks: int
+    leased_blocks: int
+    def __init__(self, daemon_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ...) -> None: ...
+
+class DaemonStats(_message.Message):
+    __slots__ = ("info", "alive", "last_heartbeat_age_s")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.DaemonInfo
+    alive: bool
+    last_heartbeat_age_s: float
+    def __init__(self, info: _Optional[_Union[_common_pb2.DaemonInfo, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("daemons", "segments", "counters", "keys", "pending_puts", "active_leases")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    DAEMONS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    daemons: _containers.RepeatedCompositeFieldContainer[DaemonStats]
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
+    counters: _containers.ScalarMap[str, int]
+    keys: int
+    pending_puts: int
+    active_leases: int
+    def __init__(self, daemons: _Optional[_Iterable[_Union[DaemonStats, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., keys: _Optional[int] = ..., pending_puts: _Optional[int] = ..., active_leases: _Optional[int] = ...) -> None: ...
+
+class AdvanceClockRequest(_message.Message):
+    __slots__ = ("seconds",)
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    def __init__(self, seconds: _Optional[float] = ...) -> None: ...
+
+class AdvanceClockResponse(_message.Message):
+    __slots__ = ("now",)
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    now: float
+    def __init__(self, now: _Optional[float] = ...) -> None: ...
