@@ -81,12 +81,18 @@ class ModelFingerprint:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidArgument(f"ModelFingerprint.{name} must be a positive int, got {v!r}")
-        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise InvalidArgument(f"ModelFingerprint.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
-        if not self.model_id or not self.dtype:
-            raise InvalidArgument("ModelFingerprint.model_id and dtype must not be empty")
+        for name in ("model_id", "dtype", "layout"):
+            v = getattr(self, name)
+            if not isinstance(v, str):
+                raise InvalidArgument(f"ModelFingerprint.{name} must be a str, got {v!r}")
+            if not v and name != "layout":
+                raise InvalidArgument(f"ModelFingerprint.{name} must not be empty")
+        if self.block_size >= 2**28:
+            raise InvalidArgument(f"ModelFingerprint.block_size {self.block_size} is absurd (limit 2**28 tokens)")
 
     def encode(self) -> bytes:
         return b"".join(
@@ -131,6 +137,10 @@ class KeySpace:
         h = _hasher(self.algo)
         if not isinstance(self.namespace, str):
             raise InvalidArgument(f"namespace must be a str, got {type(self.namespace).__name__}")
+        try:
+            self.namespace.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument("namespace must be encodable as UTF-8") from None
         seed = b"".join(
             (
                 _field(_T_DOMAIN, _Y_BYTES, b"kvstore-root"),
@@ -159,17 +169,20 @@ class KeySpace:
         Pure: no state, same result in every process.
         """
         tokens = _as_u32(token_ids)
+        if not isinstance(extra, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"extra must be bytes, got {type(extra).__name__}")
+        if parent is None:
+            prev = self.root
+        else:
+            if not isinstance(parent, (bytes, bytearray)) or len(parent) != KEY_BYTES:
+                got = len(parent) if isinstance(parent, (bytes, bytearray)) else type(parent).__name__
+                raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {got}")
+            prev = bytes(parent)
         bs = self.fingerprint.block_size
         n = len(tokens) // bs
         if n == 0:
             return []
         h = _hasher(self.algo)
-        if parent is None:
-            prev = self.root
-        else:
-            if len(parent) != KEY_BYTES:
-                raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
-            prev = bytes(parent)
         raw = tokens[: n * bs].tobytes()
         step = bs * 4
         tok_head = _FIELD_HEAD.pack(_T_TOKENS, _Y_U32_ARRAY, step)
@@ -181,13 +194,20 @@ class KeySpace:
             out.append(BlockKey(prev))
         return out
 
-    def packed_block_keys(self, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"") -> bytes:
+    def packed_block_keys(
+        self, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"", parent: bytes | None = None
+    ) -> bytes:
         """:meth:`block_keys` as one packed ``bytes`` of N x 16."""
-        return b"".join(self.block_keys(token_ids, extra))
+        return b"".join(self.block_keys(token_ids, extra, parent))
 
 
 def _as_u32(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(token_ids)
+    try:
+        arr = np.asarray(token_ids)
+    except (ValueError, TypeError):
+        raise InvalidArgument("token_ids must be a flat sequence of integers") from None
+    if arr.dtype == object and arr.ndim == 1 and all(isinstance(t, int) for t in arr.tolist()):
+        raise InvalidArgument("token ids must lie in [0, 2**32)")
     if arr.ndim != 1:
         raise InvalidArgument(f"token_ids must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
