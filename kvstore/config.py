@@ -61,6 +61,8 @@ class ClientConfig:
     io_timeout_s: float = 10.0
     retries: int = 2
     host_id: str = ""
+    # Threads that copy (and checksum) one large batch in parallel; 1 = the calling thread only.
+    io_threads: int = 2
 
 
 @dataclass
@@ -86,6 +88,8 @@ def parse_size(value: Any, what: str = "size") -> int:
     if isinstance(value, bool):
         raise InvalidArgument(f"{what}: expected a size, got {value!r}")
     if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgument(f"{what}: a size must not be negative, got {value}")
         return value
     m = _SIZE.match(str(value))
     if not m or (m.group(2) or "").lower() not in _UNITS:
@@ -94,9 +98,19 @@ def parse_size(value: Any, what: str = "size") -> int:
 
 
 def _coerce(value: Any, typ: str, what: str) -> Any:
+    if isinstance(value, (list, dict, tuple, set)) or value is None:
+        raise InvalidArgument(f"{what}: expected {typ}, got {value!r}")
+    if typ in ("int", "float") and isinstance(value, bool):
+        raise InvalidArgument(f"{what}: expected {typ}, got {value!r}")
     try:
         if typ == "int":
-            return parse_size(value, what) if what.endswith("_bytes") else int(value)
+            if what.endswith("_bytes"):
+                return parse_size(value, what)
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise InvalidArgument(f"{what}: expected int, got {value!r}")
+                return int(value)
+            return int(str(value).strip())
         if typ == "float":
             return float(value)
         if typ == "bool":
@@ -143,6 +157,8 @@ def load_config(
             data = yaml.safe_load(Path(path).read_text()) or {}
         except OSError as e:
             raise InvalidArgument(f"config file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise InvalidArgument(f"config file {path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise InvalidArgument(f"config file {path}: expected a mapping of sections")
         for section, values in data.items():

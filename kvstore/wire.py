@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,53 +40,53 @@ def daemon_to_pb(spec) -> pb.DaemonInfo:  # noqa: ANN001 - kvstore.meta.index.Da
     )
 
 
-def locations_to_pb(locs: Sequence) -> pb.Locations:  # noqa: ANN001 - index.Location
-    """Column-packs locations; each distinct daemon is sent once."""
-    if not locs:
+ROW_DTYPE = np.dtype([("ref", "<u4"), ("reserved", "<u4"), ("offset", "<u8"), ("length", "<u8"), ("checksum", "<u8")])
+
+
+def locations_to_pb(replicas: Sequence) -> pb.Locations:  # noqa: ANN001 - index.Replica
+    """Packs replicas as location rows plus one SegmentRef per distinct segment."""
+    if not replicas:
         return pb.Locations()
-    index: dict[str, int] = {}
-    daemons: list[pb.DaemonInfo] = []
-    didx = []
-    for loc in locs:
-        i = index.get(loc.daemon.daemon_id)
-        if i is None:
-            i = index[loc.daemon.daemon_id] = len(daemons)
-            daemons.append(daemon_to_pb(loc.daemon))
-        didx.append(i)
-    cols = list(zip(*[(loc.segment_id, loc.offset, loc.length, loc.checksum, loc.tier) for loc in locs]))
+    segs = {id(r.segment): r.segment for r in replicas}
     return pb.Locations(
-        daemon_index=pack(didx, U16),
-        segment_id=pack(cols[0], U32),
-        offset=pack(cols[1], U64),
-        length=pack(cols[2], U64),
-        checksum=pack(cols[3], U64),
-        tier=pack(cols[4], U8),
-        daemons=daemons,
+        rows=b"".join([r.row for r in replicas]),
+        segments=[
+            pb.SegmentRef(
+                ref=s.ref, daemon=daemon_to_pb(s.daemon.spec), segment_id=s.spec.segment_id, tier=int(s.spec.tier)
+            )
+            for s in segs.values()
+        ],
     )
 
 
-class Placement:
+class Placement(NamedTuple):
     """One decoded location, as the client uses it."""
 
-    __slots__ = ("daemon", "segment_id", "offset", "length", "checksum", "tier")
+    daemon: pb.DaemonInfo
+    segment: pb.Segment
+    offset: int
+    length: int
+    checksum: int
 
-    def __init__(self, daemon: pb.DaemonInfo, segment_id: int, offset: int, length: int, checksum: int, tier: int):
-        self.daemon = daemon
-        self.segment_id = segment_id
-        self.offset = offset
-        self.length = length
-        self.checksum = checksum
-        self.tier = tier
+    @property
+    def segment_id(self) -> int:
+        return self.segment.segment_id
 
 
 def locations_from_pb(msg: pb.Locations, count: int) -> list[Placement]:
+    """Decodes ``count`` location rows; raises InvalidArgument if the message does not hold them."""
     if count == 0:
         return []
-    didx = unpack(msg.daemon_index, U16, "daemon_index", count)
-    seg = unpack(msg.segment_id, U32, "segment_id", count)
-    off = unpack(msg.offset, U64, "offset", count)
-    length = unpack(msg.length, U64, "length", count)
-    csum = unpack(msg.checksum, U64, "checksum", count)
-    tier = unpack(msg.tier, U8, "tier", count)
-    daemons = list(msg.daemons)
-    return [Placement(daemons[d], s, o, n, c, t) for d, s, o, n, c, t in zip(didx, seg, off, length, csum, tier)]
+    if len(msg.rows) != count * ROW_DTYPE.itemsize:
+        raise InvalidArgument(f"locations: {len(msg.rows)} bytes of rows for {count} keys")
+    table = {}
+    for ref in msg.segments:
+        seg = next((s for s in ref.daemon.segments if s.segment_id == ref.segment_id), None)
+        if seg is None:
+            seg = pb.Segment(segment_id=ref.segment_id, tier=ref.tier)
+        table[ref.ref] = (ref.daemon, seg)
+    out = []
+    for ref, _r, off, length, csum in np.frombuffer(msg.rows, dtype=ROW_DTYPE).tolist():
+        daemon, seg = table[ref]
+        out.append(Placement(daemon, seg, off, length, csum))
+    return out

@@ -18,9 +18,8 @@ PROTO_ROOT = ROOT / "proto"
 
 
 def generate(out: Path) -> list[Path]:
-    from grpc_tools import protoc  # dev dependency
-
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency
 
     sources = sorted((PROTO_ROOT / "kvstore" / "v1").glob("*.proto"))
     well_known = Path(grpc_tools.__file__).parent / "_proto"

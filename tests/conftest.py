@@ -92,7 +92,9 @@ class Cluster:
         self.meta_addr = ""
 
     def start_meta(self, *sets: str, listen: str = "127.0.0.1:0") -> Proc:
-        p = Proc(["meta", "--listen", listen, *[a for s in (*FAST, *sets) for a in ("--set", s)]], self.tmp / "meta.log")
+        p = Proc(
+            ["meta", "--listen", listen, *[a for s in (*FAST, *sets) for a in ("--set", s)]], self.tmp / "meta.log"
+        )
         self.procs.append(p)
         self.meta_addr = p.wait_ready()["meta"]
         return p

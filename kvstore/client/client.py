@@ -36,7 +36,8 @@ from kvstore.wire import U8, U32, U64, Placement, locations_from_pb, pack, unpac
 
 log = logging.getLogger("kvstore.client")
 
-# Copies larger than this run in a worker thread so the event loop stays responsive.
+# Copies larger than this run in a worker thread so the event loop stays responsive, and are
+# split over ``client.io_threads`` threads (memcpy and xxh3 release the GIL).
 _INLINE_COPY_BYTES = 8 << 20
 
 
@@ -60,7 +61,14 @@ class KVStoreClient:
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._shm = ShmTransport()
         self._tcp = TcpTransport(self.cfg.io_timeout_s)
+        if self.cfg.io_threads < 1:
+            raise InvalidArgument(f"client.io_threads must be at least 1, got {self.cfg.io_threads}")
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstore-io")
+        # Chunks of one batch; separate from _pool so that a batch waiting on its chunks never
+        # holds the threads its chunks need.
+        self._chunk_pool = ThreadPoolExecutor(
+            max_workers=max(1, self.cfg.io_threads - 1), thread_name_prefix="kvstore-chunk"
+        )
         self._pending: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> KVStoreClient:
@@ -74,6 +82,7 @@ class KVStoreClient:
             await asyncio.gather(*self._pending, return_exceptions=True)
         await self._channel.close()
         self._pool.shutdown(wait=True)
+        self._chunk_pool.shutdown(wait=True)
         self._tcp.close()
         self._shm.close()
 
@@ -134,20 +143,52 @@ class KVStoreClient:
         self._release(resp.lease_id, corrupt)
         return loaded
 
+    def _split(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """Contiguous index ranges of about equal bytes, one per I/O thread (one if small)."""
+        total = sum(sizes)
+        k = min(self.cfg.io_threads, len(sizes)) if total > _INLINE_COPY_BYTES else 1
+        if k <= 1:
+            return [(0, len(sizes))]
+        bounds, acc, lo = [], 0, 0
+        for i, s in enumerate(sizes):
+            acc += s
+            if acc >= total * (len(bounds) + 1) / k and len(bounds) < k - 1:
+                bounds.append((lo, i + 1))
+                lo = i + 1
+        bounds.append((lo, len(sizes)))
+        return [b for b in bounds if b[0] < b[1]]
+
     def _read_run(
         self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float
     ) -> tuple[int, list[int]]:
-        """Copies the leased run in order; stops at the first block that fails. Returns
-        (blocks loaded, run indexes to report as corrupt)."""
-        i = 0
-        hit = len(places)
-        while i < hit:
+        """Copies the leased run, split over the I/O threads; the run ends at the first block
+        that failed. Returns (blocks loaded, run indexes to report as corrupt)."""
+        ranges = self._split([p.length for p in places])
+        futs = [
+            self._chunk_pool.submit(self._read_range, keys, places, dests, deadline, lo, hi) for lo, hi in ranges[1:]
+        ]
+        results = [self._read_range(keys, places, dests, deadline, *ranges[0])] + [f.result() for f in futs]
+        loaded = len(places)
+        corrupt: list[int] = []
+        for (_lo, hi), (n, bad) in zip(ranges, results):
+            corrupt += bad
+            if n < hi and loaded == len(places):
+                loaded = n
+        return loaded, corrupt
+
+    def _read_range(
+        self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float, lo: int, hi: int
+    ) -> tuple[int, list[int]]:
+        """Copies blocks lo..hi in order and stops at the first that fails. Returns (index of the
+        first block not loaded, indexes to report as corrupt)."""
+        i = lo
+        while i < hi:
             if time.monotonic() > deadline:
-                log.info("event=lease_expired_mid_read loaded=%d of=%d", i, hit)
+                log.info("event=lease_expired_mid_read loaded=%d of=%d", i, hi)
                 return i, []
             p = places[i]
             if self._use_shm(p):
-                arena = self._shm.arena(self._shm_path(p), self._segment_size(p))
+                arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)
                 if not ShmTransport.read(arena, p.offset, p.length, dests[i], p.checksum):
                     log.warning("event=checksum_mismatch transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
                     return i, [i]
@@ -155,9 +196,12 @@ class KVStoreClient:
                 continue
             # A run of consecutive blocks on the same daemon goes in one TCP request.
             j = i
-            while j < hit and places[j].daemon.daemon_id == p.daemon.daemon_id and not self._use_shm(places[j]):
+            while j < hi and places[j].daemon.daemon_id == p.daemon.daemon_id and not self._use_shm(places[j]):
                 j += 1
-            items = [(keys[k], places[k].segment_id, places[k].offset, places[k].length, places[k].checksum) for k in range(i, j)]
+            items = [
+                (keys[k], places[k].segment_id, places[k].offset, places[k].length, places[k].checksum)
+                for k in range(i, j)
+            ]
             try:
                 ok = self._tcp.read(p.daemon.data_addr, items, dests[i:j])
             except (Unavailable, InvalidArgument) as e:
@@ -168,7 +212,7 @@ class KVStoreClient:
                     log.warning("event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, i + k)
                     return i + k, [i + k]
             i = j
-        return hit, []
+        return hi, []
 
     def _release(self, lease_id: int, corrupt: list[int]) -> None:
         """Ends a lease without waiting for the answer (the lease would lapse anyway)."""
@@ -187,24 +231,11 @@ class KVStoreClient:
     def _use_shm(self, p: Placement) -> bool:
         if self.cfg.transport == "tcp":
             return False
-        path = self._shm_path(p)
+        path = p.segment.shm_path
         usable = p.daemon.host_id == self.host_id and self._shm.usable(path)
         if self.cfg.transport == "shm" and not usable:
             raise Unavailable(f"daemon {p.daemon.daemon_id} is not reachable through shared memory from this host")
         return usable
-
-    @staticmethod
-    def _segment(p: Placement):  # noqa: ANN205
-        for s in p.daemon.segments:
-            if s.segment_id == p.segment_id:
-                return s
-        raise Unavailable(f"daemon {p.daemon.daemon_id} has no segment {p.segment_id}")
-
-    def _shm_path(self, p: Placement) -> str:
-        return self._segment(p).shm_path
-
-    def _segment_size(self, p: Placement) -> int:
-        return self._segment(p).capacity_bytes
 
     # ---- writes -----------------------------------------------------------------------------
 
@@ -249,7 +280,9 @@ class KVStoreClient:
             total = sum(srcs[i].size for i in alloc)
             args = (packed, alloc, places, srcs)
             if total > _INLINE_COPY_BYTES:
-                sums, written, failed = await asyncio.get_running_loop().run_in_executor(self._pool, self._write_all, *args)
+                sums, written, failed = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._write_all, *args
+                )
             else:
                 sums, written, failed = self._write_all(*args)
             commit = await self._rpc(
@@ -270,22 +303,39 @@ class KVStoreClient:
     def _write_all(
         self, packed: bytes, alloc: list[int], places: list[Placement], srcs: list[np.ndarray]
     ) -> tuple[list[int], list[int], list[str]]:
-        sums = [checksum(srcs[i]) for i in alloc]
-        written = [0] * len(alloc)
+        """Writes the allocated blocks, split over the I/O threads. Returns (checksums,
+        written flags, daemons that failed), all in placement order."""
+        ranges = self._split([p.length for p in places])
+        args = (packed, alloc, places, srcs)
+        futs = [self._chunk_pool.submit(self._write_range, *args, lo, hi) for lo, hi in ranges[1:]]
+        parts = [self._write_range(*args, *ranges[0])] + [f.result() for f in futs]
+        sums = [c for part in parts for c in part[0]]
+        written = [w for part in parts for w in part[1]]
+        failed = sorted({d for part in parts for d in part[2]})
+        return sums, written, failed
+
+    def _write_range(
+        self, packed: bytes, alloc: list[int], places: list[Placement], srcs: list[np.ndarray], lo: int, hi: int
+    ) -> tuple[list[int], list[int], list[str]]:
+        sums = []
+        written = [0] * (hi - lo)
         failed: list[str] = []
         tcp_groups: dict[str, list[int]] = {}
-        for k, (i, p) in enumerate(zip(alloc, places)):
-            key = packed[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+        for k in range(lo, hi):
+            i, p = alloc[k], places[k]
+            src = srcs[i]
+            csum = checksum(src)
+            sums.append(csum)
             if self._use_shm(p):
-                arena = self._shm.arena(self._shm_path(p), self._segment_size(p))
-                ShmTransport.write(arena, p.offset, key, srcs[i], sums[k])
-                written[k] = 1
+                arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)
+                ShmTransport.write(arena, p.offset, packed[i * KEY_BYTES : (i + 1) * KEY_BYTES], src, csum)
+                written[k - lo] = 1
             else:
                 tcp_groups.setdefault(p.daemon.data_addr, []).append(k)
         for addr, ks in tcp_groups.items():
             items = [
                 (packed[alloc[k] * KEY_BYTES : (alloc[k] + 1) * KEY_BYTES], places[k].segment_id, places[k].offset,
-                 places[k].length, sums[k])
+                 places[k].length, sums[k - lo])
                 for k in ks
             ]  # fmt: skip
             try:
@@ -295,7 +345,7 @@ class KVStoreClient:
                 failed.append(places[ks[0]].daemon.daemon_id)
                 continue
             for k, good in zip(ks, ok):
-                written[k] = int(good)
+                written[k - lo] = int(good)
         return sums, written, failed
 
     # ---- management -------------------------------------------------------------------------

@@ -43,7 +43,9 @@ class ShmArena:
                 except OSError as e:
                     os.close(fd)
                     fd = -1
-                    raise OSError(e.errno, f"cannot allocate {size} bytes of shared memory at {self.path}: {e.strerror}") from None
+                    raise OSError(
+                        e.errno, f"cannot allocate {size} bytes of shared memory at {self.path}: {e.strerror}"
+                    ) from None
                 self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             finally:
                 if fd >= 0:

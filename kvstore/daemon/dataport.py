@@ -122,7 +122,9 @@ class DataPort:
             if arena is None:
                 raise FrameError(f"entry {i}: unknown segment {seg_id}")
             if length <= 0 or off < 0 or off + HEADER_SIZE + length > arena.size:
-                raise FrameError(f"entry {i}: extent offset {off} length {length} is outside segment {seg_id} of {arena.size} bytes")
+                raise FrameError(
+                    f"entry {i}: extent offset {off} length {length} is outside segment {seg_id} of {arena.size} bytes"
+                )
             arenas.append(arena)
         return arenas
 

@@ -96,7 +96,10 @@ class CacheDaemon:
             control_addr=f"{self.cfg.host}:{self.control_port}",
             segments=[
                 common_pb2.Segment(
-                    segment_id=DRAM_SEGMENT, tier=common_pb2.TIER_DRAM, capacity_bytes=self.dram.size, shm_path=self.dram.path
+                    segment_id=DRAM_SEGMENT,
+                    tier=common_pb2.TIER_DRAM,
+                    capacity_bytes=self.dram.size,
+                    shm_path=self.dram.path,
                 )
             ],
         )
@@ -125,11 +128,17 @@ class CacheDaemon:
     async def _register(self) -> float:
         assert self._stub is not None
         invs, discarded = await asyncio.to_thread(self.inventory, True)
-        resp = await self._stub.RegisterDaemon(meta_pb2.RegisterDaemonRequest(daemon=self.info(), inventory=invs), timeout=30)
+        resp = await self._stub.RegisterDaemon(
+            meta_pb2.RegisterDaemonRequest(daemon=self.info(), inventory=invs), timeout=30
+        )
         self.registrations += 1
         blocks = sum(len(i.keys) // KEY_BYTES for i in invs)
         log.info(
-            "event=registered daemon=%s blocks=%d discarded=%d rejected=%d", self.daemon_id, blocks, discarded, resp.rejected
+            "event=registered daemon=%s blocks=%d discarded=%d rejected=%d",
+            self.daemon_id,
+            blocks,
+            discarded,
+            resp.rejected,
         )
         self.registered.set()
         return max(resp.heartbeat_interval_ms / 1000.0, 0.01)

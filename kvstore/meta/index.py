@@ -19,7 +19,9 @@ and the tail is dropped first: a block is worthless without its predecessors.
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -84,8 +86,11 @@ class InventoryItem(NamedTuple):
     checksum: int
 
 
+ROW = struct.Struct("<IIQQQ")  # segment ref | reserved | offset | length | checksum (common.proto)
+
+
 class Replica:
-    __slots__ = ("segment", "offset", "size", "length", "checksum", "leases", "entry", "live")
+    __slots__ = ("segment", "offset", "size", "length", "checksum", "leases", "entry", "live", "row")
 
     def __init__(self, segment: Segment, offset: int, size: int, length: int, entry: Entry) -> None:
         self.segment = segment
@@ -96,6 +101,11 @@ class Replica:
         self.leases = 0
         self.entry = entry
         self.live = True  # False once dropped from the index (freed when the last lease goes)
+        self.row = ROW.pack(segment.ref, 0, offset, length, 0)
+
+    def set_checksum(self, csum: int) -> None:
+        self.checksum = csum
+        self.row = ROW.pack(self.segment.ref, 0, self.offset, self.length, csum)
 
 
 class Entry:
@@ -110,10 +120,11 @@ class Entry:
 
 
 class Segment:
-    __slots__ = ("daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased")
+    __slots__ = ("daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref")
 
-    def __init__(self, daemon: Daemon, spec: SegmentSpec, alloc: Allocator | None = None) -> None:
+    def __init__(self, daemon: Daemon, spec: SegmentSpec, ref: int, alloc: Allocator | None = None) -> None:
         self.daemon = daemon
+        self.ref = ref  # names this segment in location rows
         self.spec = spec
         self.alloc = alloc or Allocator(spec.capacity)
         # Evictable replicas only, oldest first.
@@ -148,26 +159,17 @@ class Lease:
     replicas: list[Replica]
 
 
-class Location(NamedTuple):
-    daemon: DaemonSpec
-    segment_id: int
-    offset: int
-    length: int
-    checksum: int
-    tier: int
-
-
 class PutStartResult(NamedTuple):
     put_id: int
     status: list[int]
-    placements: list[Location]
+    placements: list[Replica]
     deadline: float
 
 
 class AcquireResult(NamedTuple):
     hit_count: int
     lease_id: int
-    locations: list[Location]
+    locations: list[Replica]
     ttl: float
 
 
@@ -198,6 +200,7 @@ class Index:
         base = random.getrandbits(62)
         self._put_ids = itertools.count(base)
         self._lease_ids = itertools.count(base)
+        self._segment_refs = itertools.count(1)
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "lookups",
@@ -227,7 +230,9 @@ class Index:
 
     def _keys(self, packed: bytes, what: str = "keys") -> list[bytes]:
         if len(packed) % KEY_BYTES:
-            raise InvalidArgument(f"{what}: packed keys must be a multiple of {KEY_BYTES} bytes, got {len(packed)} bytes")
+            raise InvalidArgument(
+                f"{what}: packed keys must be a multiple of {KEY_BYTES} bytes, got {len(packed)} bytes"
+            )
         n = len(packed) // KEY_BYTES
         if n == 0:
             raise InvalidArgument(f"{what}: empty batch")
@@ -236,6 +241,8 @@ class Index:
         return unpack_keys(packed)
 
     def _timeout(self, value_s: float, default: float, limit: float, what: str) -> float:
+        if math.isnan(value_s):
+            raise InvalidArgument(f"{what} must be a finite number, got {value_s}")
         if value_s < 0:
             raise InvalidArgument(f"{what} must not be negative, got {value_s}")
         if value_s == 0:
@@ -272,7 +279,7 @@ class Index:
         for sspec in spec.segments:
             items = inventory.get(sspec.segment_id, [])
             alloc, accepted = Allocator.with_used(sspec.capacity, [(it.offset, extent_size(it.length)) for it in items])
-            seg = Segment(daemon, sspec, alloc)
+            seg = Segment(daemon, sspec, next(self._segment_refs), alloc)
             daemon.segments[sspec.segment_id] = seg
             for it, ok in zip(items, accepted):  # oldest first: LRU order
                 if not ok or len(it.key) != KEY_BYTES or it.key in self.entries:
@@ -282,7 +289,7 @@ class Index:
                     continue
                 entry = Entry(it.key, 0)
                 rep = Replica(seg, it.offset, extent_size(it.length), it.length, entry)
-                rep.checksum = it.checksum
+                rep.set_checksum(it.checksum)
                 entry.replica = rep
                 entry.complete = True
                 self.entries[it.key] = entry
@@ -347,35 +354,48 @@ class Index:
         now = self.clock.now()
         put_id = next(self._put_ids)
         status: list[int] = []
-        placements: list[Location] = []
+        placements: list[Replica] = []
         allocated: list[Entry] = []
-        out_of_space = False
-        for key, size in zip(keys, sizes):
-            e = self.entries.get(key)
-            if e is not None:
-                status.append(PutStatus.SKIP_EXISTS if e.complete else PutStatus.SKIP_INFLIGHT)
-                continue
-            rep = None if out_of_space else self._allocate(segments, extent_size(size))
-            if rep is None:
-                out_of_space = True  # keep chain order: nothing after a gap is placed
-                status.append(PutStatus.NO_SPACE)
-                continue
-            seg, offset = rep
-            e = Entry(key, put_id)
-            e.replica = Replica(seg, offset, extent_size(size), size, e)
-            seg.blocks += 1
-            self.entries[key] = e
-            allocated.append(e)
-            status.append(PutStatus.ALLOCATED)
-            placements.append(Location(seg.daemon.spec, seg.spec.segment_id, offset, size, 0, seg.spec.tier))
+        # The request's stored keys must not be evicted to make room for its new ones (a chain's
+        # new tail is worthless without its head): hold them out of the LRU meanwhile.
+        held = []
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None and e.complete and e.replica is not None and e.replica.segment.lru.pop(k, None):
+                held.append(e.replica)
+        try:
+            out_of_space = False
+            for key, size in zip(keys, sizes):
+                e = self.entries.get(key)
+                if e is not None:
+                    status.append(PutStatus.SKIP_EXISTS if e.complete else PutStatus.SKIP_INFLIGHT)
+                    continue
+                rep = None if out_of_space else self._allocate(segments, extent_size(size))
+                if rep is None:
+                    out_of_space = True  # keep chain order: nothing after a gap is placed
+                    status.append(PutStatus.NO_SPACE)
+                    continue
+                seg, offset = rep
+                e = Entry(key, put_id)
+                e.replica = Replica(seg, offset, extent_size(size), size, e)
+                seg.blocks += 1
+                self.entries[key] = e
+                allocated.append(e)
+                status.append(PutStatus.ALLOCATED)
+                placements.append(e.replica)
+        finally:
+            for rep in held:
+                if rep.live and rep.leases == 0 and not rep.entry.pinned:
+                    rep.segment.lru[rep.entry.key] = rep
         n_skip = sum(1 for s in status if s in (PutStatus.SKIP_EXISTS, PutStatus.SKIP_INFLIGHT))
         n_nospace = status.count(PutStatus.NO_SPACE)
-        self.counters["dedup_keys"] += n_skip
-        self.counters["no_space_keys"] += n_nospace
         if not allocated and n_nospace:
+            self.counters["no_space_keys"] += n_nospace
             raise ResourceExhausted(
                 f"no space for {n_nospace} blocks: every evictable block is leased, pinned or being written"
             )
+        self.counters["dedup_keys"] += n_skip
+        self.counters["no_space_keys"] += n_nospace
         self.counters["puts"] += 1
         if allocated:
             self.puts[put_id] = Put(put_id, now + timeout, keys, allocated)
@@ -415,12 +435,20 @@ class Index:
 
     def put_commit(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> int:
         put = self.puts.get(put_id)
+        if put is not None and put.deadline < self.clock.now():
+            self.put_abort(put_id)
+            self.counters["expired_puts"] += 1
+            put = None
         if put is None:
             raise Expired(f"put {put_id} is unknown or past its deadline: its reservation was reclaimed")
         if len(checksums) != len(put.entries):
-            raise InvalidArgument(f"checksums: {len(checksums)} for {len(put.entries)} allocated blocks of put {put_id}")
+            raise InvalidArgument(
+                f"checksums: {len(checksums)} for {len(put.entries)} allocated blocks of put {put_id}"
+            )
         if written is not None and len(written) != len(put.entries):
-            raise InvalidArgument(f"written: {len(written)} flags for {len(put.entries)} allocated blocks of put {put_id}")
+            raise InvalidArgument(
+                f"written: {len(written)} flags for {len(put.entries)} allocated blocks of put {put_id}"
+            )
         del self.puts[put_id]
         committed = 0
         for i, (e, csum) in enumerate(zip(put.entries, checksums)):
@@ -430,7 +458,7 @@ class Index:
             if written is not None and not written[i]:
                 self._free_pending(e)
                 continue
-            rep.checksum = csum
+            rep.set_checksum(csum)
             e.complete = True
             committed += 1
             self.counters["put_keys"] += 1
@@ -463,15 +491,19 @@ class Index:
 
     def _run(self, keys: list[bytes]) -> list[Entry]:
         run = []
+        get = self.entries.get
         for k in keys:
-            e = self.entries.get(k)
+            e = get(k)
             if e is None or not e.complete:
                 break
             run.append(e)
         return run
 
-    def lookup(self, packed_keys: bytes, per_key: bool = False) -> tuple[int, list[bool], list[Location]]:
-        """Leading hit count (and per-key existence). No side effects on the index."""
+    def lookup(
+        self, packed_keys: bytes, per_key: bool = False, with_locations: bool = False
+    ) -> tuple[int, list[bool], list[Replica]]:
+        """Leading hit count (and per-key existence, and the run's replicas). No side effects
+        on the index (counters aside)."""
         keys = self._keys(packed_keys)
         run = self._run(keys)
         self.counters["lookups"] += 1
@@ -479,14 +511,9 @@ class Index:
         self.counters["lookup_hit_keys"] += len(run)
         exists: list[bool] = []
         if per_key:
-            ent = self.entries
-            exists = [(e := ent.get(k)) is not None and e.complete for k in keys]
-        return len(run), exists, [self._location(e.replica) for e in run]  # type: ignore[arg-type]
-
-    @staticmethod
-    def _location(rep: Replica) -> Location:
-        seg = rep.segment
-        return Location(seg.daemon.spec, seg.spec.segment_id, rep.offset, rep.length, rep.checksum, seg.spec.tier)
+            get = self.entries.get
+            exists = [(e := get(k)) is not None and e.complete for k in keys]
+        return len(run), exists, [e.replica for e in run] if with_locations else []  # type: ignore[misc]
 
     def acquire(self, packed_keys: bytes, ttl_s: float = 0.0) -> AcquireResult:
         """Leases the leading run of available keys: none of them is evicted or freed until the
@@ -508,7 +535,7 @@ class Index:
             reps.append(rep)
         lease_id = next(self._lease_ids)
         self.leases[lease_id] = Lease(lease_id, self.clock.now() + ttl, reps)
-        return AcquireResult(len(run), lease_id, [self._location(r) for r in reps], ttl)
+        return AcquireResult(len(run), lease_id, reps, ttl)
 
     def _lease(self, rep: Replica) -> None:
         if rep.leases == 0:
@@ -665,4 +692,6 @@ class Index:
                     f"segment {d.spec.daemon_id}/{seg.spec.segment_id}: allocator used {seg.alloc.used} "
                     f"!= replicas {per_seg.get(id(seg), 0)} + released-but-leased {extra}"
                 )
-                assert seg.blocks == blocks.get(id(seg), 0), f"segment block count {seg.blocks} != {blocks.get(id(seg), 0)}"
+                assert seg.blocks == blocks.get(id(seg), 0), (
+                    f"segment block count {seg.blocks} != {blocks.get(id(seg), 0)}"
+                )

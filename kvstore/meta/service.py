@@ -63,7 +63,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             info.host_id,
             info.data_addr,
             info.control_addr,
-            tuple(SegmentSpec(s.segment_id, Tier(s.tier or Tier.DRAM), s.capacity_bytes, s.shm_path) for s in info.segments),
+            tuple(
+                SegmentSpec(s.segment_id, Tier(s.tier or Tier.DRAM), s.capacity_bytes, s.shm_path)
+                for s in info.segments
+            ),
         )
         inventory: dict[int, list[InventoryItem]] = {}
         for inv in request.inventory:
@@ -135,7 +138,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @_handler
     def Lookup(self, request, context):
-        hit, exists, locs = self.index.lookup(request.keys, per_key=request.per_key)
+        hit, exists, locs = self.index.lookup(
+            request.keys, per_key=request.per_key, with_locations=request.with_locations
+        )
         return meta_pb2.LookupResponse(
             hit_count=hit,
             exists=pack(exists, U8) if request.per_key else b"",
@@ -232,7 +237,9 @@ class MetaServer:
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
-        meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(self.index, self.cfg.allow_clock_skew), self.server)
+        meta_pb2_grpc.add_MetaServiceServicer_to_server(
+            MetaServicer(self.index, self.cfg.allow_clock_skew), self.server
+        )
         hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self.server)
         self.port = self.server.add_insecure_port(self.cfg.listen)

@@ -7,6 +7,7 @@ caller got); writes clear the header, copy the payload, then write the header.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from kvstore.extent import HEADER_SIZE, checksum, pack_header
 class ShmTransport:
     def __init__(self) -> None:
         self._arenas: dict[str, ShmArena] = {}
+        self._lock = threading.Lock()
 
     def usable(self, shm_path: str) -> bool:
         return bool(shm_path) and (shm_path in self._arenas or os.path.exists(shm_path))
@@ -24,7 +26,10 @@ class ShmTransport:
     def arena(self, shm_path: str, size: int) -> ShmArena:
         a = self._arenas.get(shm_path)
         if a is None or a.size != size:
-            a = self._arenas[shm_path] = ShmArena(shm_path, size)
+            with self._lock:
+                a = self._arenas.get(shm_path)
+                if a is None or a.size != size:
+                    a = self._arenas[shm_path] = ShmArena(shm_path, size)
         return a
 
     @staticmethod

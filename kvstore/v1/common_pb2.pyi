@@ -44,23 +44,25 @@ class DaemonInfo(_message.Message):
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     def __init__(self, daemon_id: _Optional[str] = ..., host_id: _Optional[str] = ..., data_addr: _Optional[str] = ..., control_addr: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
-class Locations(_message.Message):
-    __slots__ = ("daemon_index", "segment_id", "offset", "length", "checksum", "tier", "daemons")
-    DAEMON_INDEX_FIELD_NUMBER: _ClassVar[int]
+class SegmentRef(_message.Message):
+    __slots__ = ("ref", "daemon", "segment_id", "tier")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
-    DAEMONS_FIELD_NUMBER: _ClassVar[int]
-    daemon_index: bytes
-    segment_id: bytes
-    offset: bytes
-    length: bytes
-    checksum: bytes
-    tier: bytes
-    daemons: _containers.RepeatedCompositeFieldContainer[DaemonInfo]
-    def __init__(self, daemon_index: _Optional[bytes] = ..., segment_id: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., tier: _Optional[bytes] = ..., daemons: _Optional[_Iterable[_Union[DaemonInfo, _Mapping]]] = ...) -> None: ...
+    ref: int
+    daemon: DaemonInfo
+    segment_id: int
+    tier: Tier
+    def __init__(self, ref: _Optional[int] = ..., daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., segment_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class Locations(_message.Message):
+    __slots__ = ("rows", "segments")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    rows: bytes
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentRef]
+    def __init__(self, rows: _Optional[bytes] = ..., segments: _Optional[_Iterable[_Union[SegmentRef, _Mapping]]] = ...) -> None: ...
 
 class Inventory(_message.Message):
     __slots__ = ("segment_id", "keys", "offset", "length", "checksum", "seq")

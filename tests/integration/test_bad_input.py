@@ -86,7 +86,9 @@ def test_put_commit_with_wrong_checksum_count(loaded):
         meta_pb2.PutStartRequest(keys=b"q" * 16, sizes=pack([100], U64)),
     )
     with pytest.raises(InvalidArgument, match="2 for 1 allocated"):
-        raw_call(loaded.meta_addr, "PutCommit", meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack([1, 2], U64)))
+        raw_call(
+            loaded.meta_addr, "PutCommit", meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack([1, 2], U64))
+        )
     raw_call(loaded.meta_addr, "PutAbort", meta_pb2.PutAbortRequest(put_id=resp.put_id))
     assert_unchanged(loaded.meta_addr)
 
@@ -180,5 +182,3 @@ def test_unknown_config_key_is_refused_by_name(tmp_path):
         [sys.executable, "-m", "kvstore.cli", "daemon", "--config", str(cfg)], capture_output=True, cwd=REPO, timeout=60
     )
     assert r.returncode == 2 and b"unknown config key daemon.dram" in r.stderr
-
-

@@ -7,14 +7,15 @@ import subprocess
 import sys
 
 import numpy as np
+from conftest import REPO, Proc
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
 
-from conftest import REPO, Proc
-
 
 def test_serve_then_stat_table_and_json(tmp_path):
-    p = Proc(["serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"), "--dram", "32MiB"], tmp_path / "s.log")
+    p = Proc(
+        ["serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"), "--dram", "32MiB"], tmp_path / "s.log"
+    )
     try:
         info = p.wait_ready()
         ks = KeySpace(ModelFingerprint("cli", "bf16", 1, 1, 8))
@@ -23,7 +24,10 @@ def test_serve_then_stat_table_and_json(tmp_path):
             c.put(keys, [np.ones(1000, np.uint8)] * 3)
             c.get_into(keys, [np.zeros(1000, np.uint8) for _ in keys])
         r = subprocess.run(
-            [sys.executable, "-m", "kvstore.cli", "stat", "--meta", info["meta"]], capture_output=True, text=True, cwd=REPO
+            [sys.executable, "-m", "kvstore.cli", "stat", "--meta", info["meta"]],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
         )
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()

@@ -11,6 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import REPO, wait_until
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
 from kvstore.config import ClientConfig
@@ -18,8 +19,6 @@ from kvstore.extent import HEADER_SIZE
 from kvstore.keys import pack_keys
 from kvstore.v1 import meta_pb2, meta_pb2_grpc
 from kvstore.wire import locations_from_pb
-
-from conftest import REPO, wait_until
 
 KS = KeySpace(ModelFingerprint("fault-model", "bf16", 2, 2, 64))
 

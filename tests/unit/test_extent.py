@@ -294,8 +294,9 @@ def test_scan_overlap_newer_inner_extent_wins():
 
 
 def test_scan_stale_header_after_reuse_resolved_by_seq():
-    """A long extent is replaced by a short one at the same offset; the tail of the old one is
-    overwritten by another new extent whose payload happens to keep a third old header."""
+    """A long extent (whose payload carries a valid header at 4A) is overwritten at its start by
+    two newer, shorter extents: the newer ones win where they overlap, and the stale header at
+    4A, which overlaps nothing newer, is found again."""
     seg = new_segment(32)
     old_inner = payload(50, 7)
     old = _embedding_payload(key(3), old_inner, inner_seq=3, at=4 * ALIGN, total=8 * ALIGN)

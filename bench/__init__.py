@@ -1,0 +1,1 @@
+"""The prefix-reuse benchmark suite (see bench/README.md)."""

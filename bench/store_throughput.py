@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""Store-level throughput and lookup rate, each against a baseline run in the same process tree.
+
+    python bench/store_throughput.py            # full size
+    python bench/store_throughput.py --quick    # about a minute
+
+Starts ``kvstore serve`` (metadata service + daemon, one process) and measures from this process:
+
+- same-host ``put`` / ``get_into`` GB/s (shared-memory path) for 64 KiB, 512 KiB and 2 MiB blocks,
+  against a plain memcpy of the same blocks from a shared-memory source into the same buffers;
+- TCP-path ``get_into`` / ``put`` GB/s against a raw Python socket server process sending the
+  same bytes in the same block sizes into the same buffers (``sendall`` / ``recv_into``);
+- 1000-key lookups per second (8 concurrent callers) and per-call p50 / p99 latency.
+
+Writes bench/results/store.json and the "store" section of bench/RESULTS.md, and a PNG plot
+when matplotlib is installed. Ratios are medians of interleaved repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.report import update_section  # noqa: E402
+from kvstore import KeySpace, KVStoreClient, ModelFingerprint, SyncKVStoreClient  # noqa: E402
+from kvstore.config import ClientConfig  # noqa: E402
+
+SIZES = {"64KiB": 64 << 10, "512KiB": 512 << 10, "2MiB": 2 << 20}
+
+
+def start_store(dram: str, data_dir: str) -> tuple[subprocess.Popen, dict]:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli", "serve", "--listen", "127.0.0.1:0", "--dram", dram, "--data-dir", data_dir,
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+    for raw in p.stdout:  # type: ignore[union-attr]
+        line = raw.decode()
+        if line.startswith("READY "):
+            return p, json.loads(line[6:])
+    raise RuntimeError("kvstore serve did not start")
+
+
+RAW_SERVER = textwrap.dedent(
+    """
+    import socket, struct, sys, numpy as np
+    srv = socket.create_server(("127.0.0.1", 0))
+    print(srv.getsockname()[1], flush=True)
+    buf = np.full(int(sys.argv[1]), 7, np.uint8)  # touched once, like the daemon's arena
+    mv = memoryview(buf)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    head = bytearray(16)
+    while True:
+        got = conn.recv_into(head, 16, socket.MSG_WAITALL)
+        if got < 16:
+            break
+        op, block, count = struct.unpack("<IIQ", head)
+        if op == 1:  # send count blocks
+            for i in range(count):
+                conn.sendall(mv[i * block : (i + 1) * block])
+        else:  # receive count blocks, then ack
+            for i in range(count):
+                conn.recv_into(mv[i * block : (i + 1) * block], block, socket.MSG_WAITALL)
+            conn.sendall(b"k")
+    """
+)
+
+
+class RawSocket:
+    """The baseline: a separate process that streams the same blocks over a plain socket."""
+
+    def __init__(self, total: int) -> None:
+        self.p = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(total)], stdout=subprocess.PIPE)
+        port = int(self.p.stdout.readline())  # type: ignore[union-attr]
+        self.s = socket.create_connection(("127.0.0.1", port))
+        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get(self, dests: list[np.ndarray]) -> None:
+        import struct
+
+        self.s.sendall(struct.pack("<IIQ", 1, dests[0].size, len(dests)))
+        for d in dests:
+            mv = memoryview(d)
+            pos = 0
+            while pos < d.size:
+                pos += self.s.recv_into(mv[pos:], d.size - pos)
+
+    def put(self, srcs: list[np.ndarray]) -> None:
+        import struct
+
+        self.s.sendall(struct.pack("<IIQ", 2, srcs[0].size, len(srcs)))
+        for d in srcs:
+            self.s.sendall(memoryview(d))
+        self.s.recv(1, socket.MSG_WAITALL)
+
+    def close(self) -> None:
+        self.s.close()
+        self.p.wait(10)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def timed(fn) -> float:  # noqa: ANN001
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def measure_size(meta: str, name: str, size: int, total: int, reps: int, bar: tqdm) -> dict:
+    n = max(1, total // size)
+    nbytes = n * size
+    ks = KeySpace(ModelFingerprint(f"bench-{name}", "bf16", 32, 8, 128))
+    rng = np.random.default_rng(size)
+    srcs = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    dests = [np.ones(size, np.uint8) for _ in range(n)]  # touched once, reused
+    # memcpy baseline source: the same blocks in a shared-memory mapping, like the arena.
+    shm_src = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
+    shm_arr = np.frombuffer(shm_src, np.uint8)
+    for i, s in enumerate(srcs):
+        shm_arr[i * size : (i + 1) * size] = s
+    views = [shm_arr[i * size : (i + 1) * size] for i in range(n)]
+    raw = RawSocket(nbytes)
+    out: dict = {"block_bytes": size, "blocks": n, "batch_bytes": nbytes}
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("memcpy", "shm_get", "shm_put", "socket_get", "socket_put", "tcp_get", "tcp_put")
+    }
+
+    def memcpy() -> None:
+        for d, v in zip(dests, views):
+            np.copyto(d, v)
+
+    with (
+        SyncKVStoreClient(meta, ClientConfig(transport="shm")) as shm,
+        SyncKVStoreClient(meta, ClientConfig(transport="tcp")) as tcp,
+    ):
+        for rep in range(reps + 1):  # rep 0 warms every path up and is not counted
+            keys = ks.block_keys(np.arange(rep * n * 16, (rep + 1) * n * 16) % 50000 + rep * 100000)
+            tkeys = ks.block_keys(np.arange(rep * n * 16, (rep + 1) * n * 16) % 50000 + rep * 100000 + 7_000_000)
+            t_put = timed(lambda: shm.put(keys, srcs))
+            t_tput = timed(lambda: tcp.put(tkeys, srcs))
+            t_mem = timed(memcpy)
+            got = []
+            t_get = timed(lambda: got.append(shm.get_into(keys, dests)))
+            assert got[-1] == n, f"shm get_into loaded {got[-1]} of {n}"
+            assert np.array_equal(dests[-1], srcs[-1])
+            t_tget = timed(lambda: got.append(tcp.get_into(keys, dests)))
+            assert got[-1] == n, f"tcp get_into loaded {got[-1]} of {n}"
+            assert np.array_equal(dests[0], srcs[0])
+            t_sget = timed(lambda: raw.get(dests))
+            t_sput = timed(lambda: raw.put(srcs))
+            shm.remove(keys)
+            tcp.remove(tkeys)
+            if rep:
+                for k, t in (("memcpy", t_mem), ("shm_get", t_get), ("shm_put", t_put), ("socket_get", t_sget),
+                             ("socket_put", t_sput), ("tcp_get", t_tget), ("tcp_put", t_tput)):  # fmt: skip
+                    samples[k].append(gbps(nbytes, t))
+            bar.update(1)
+    raw.close()
+    views = shm_arr = None  # drop the views before closing the mapping
+    shm_src.close()
+    for k, v in samples.items():
+        out[f"{k}_gbps"] = round(statistics.median(v), 3)
+    out["shm_get_over_memcpy"] = round(out["shm_get_gbps"] / out["memcpy_gbps"], 3)
+    out["shm_put_over_memcpy"] = round(out["shm_put_gbps"] / out["memcpy_gbps"], 3)
+    out["tcp_get_over_socket"] = round(out["tcp_get_gbps"] / out["socket_get_gbps"], 3)
+    out["tcp_put_over_socket"] = round(out["tcp_put_gbps"] / out["socket_put_gbps"], 3)
+    return out
+
+
+async def measure_lookup(meta: str, seconds: float, concurrency: int) -> dict:
+    ks = KeySpace(ModelFingerprint("bench-lookup", "bf16", 1, 1, 8))
+    keys = ks.packed_block_keys(np.arange(1000 * 16))
+    async with KVStoreClient(meta) as c:
+        await c.put(keys, [np.zeros(64, np.uint8)] * 1000)
+        assert await c.lookup(keys) == 1000
+        lat: list[float] = []
+        stop = time.perf_counter() + seconds
+
+        async def caller() -> int:
+            done = 0
+            while time.perf_counter() < stop:
+                t = time.perf_counter()
+                assert await c.lookup(keys) == 1000
+                lat.append(time.perf_counter() - t)
+                done += 1
+            return done
+
+        for _ in range(50):  # warm-up
+            await c.lookup(keys)
+        t0 = time.perf_counter()
+        calls = sum(await asyncio.gather(*(caller() for _ in range(concurrency))))
+        elapsed = time.perf_counter() - t0
+        # Single caller: latency without queueing.
+        single: list[float] = []
+        for _ in range(300):
+            t = time.perf_counter()
+            await c.lookup(keys)
+            single.append(time.perf_counter() - t)
+    lat.sort()
+    single.sort()
+    return {
+        "keys_per_lookup": 1000,
+        "concurrency": concurrency,
+        "lookups": calls,
+        "lookup_keys_per_s": round(calls * 1000 / elapsed),
+        "lookup_p50_ms": round(lat[len(lat) // 2] * 1000, 3),
+        "lookup_p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 3),
+        "single_caller_p50_ms": round(single[len(single) // 2] * 1000, 3),
+        "single_caller_p99_ms": round(single[int(len(single) * 0.99)] * 1000, 3),
+    }
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()} {platform.release()}"
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(result["sizes"])
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    series = [("memcpy", "memcpy_gbps"), ("kvstore shm get", "shm_get_gbps"), ("kvstore shm put", "shm_put_gbps"),
+              ("raw socket", "socket_get_gbps"), ("kvstore tcp get", "tcp_get_gbps"), ("kvstore tcp put", "tcp_put_gbps")]  # fmt: skip
+    w = 0.13
+    for i, (label, key) in enumerate(series):
+        ax.bar(x + (i - 2.5) * w, [result["sizes"][n][key] for n in names], w, label=label)
+    ax.set_xticks(x, names)
+    ax.set_xlabel("block size")
+    ax.set_ylabel("GB/s")
+    ax.set_title("kvstore store throughput vs baselines (same host)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller batches and fewer repetitions")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "store.json")
+    ap.add_argument("--no-report", action="store_true", help="do not rewrite bench/RESULTS.md")
+    ns = ap.parse_args()
+    total = (32 << 20) if ns.quick else (128 << 20)
+    reps = 3 if ns.quick else 7
+    lookup_s = 3.0 if ns.quick else 10.0
+    cmd = "python bench/store_throughput.py" + (" --quick" if ns.quick else "")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, info = start_store("1GiB", tmp)
+        try:
+            result: dict = {"command": cmd, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                            "machine": machine(), "sizes": {}}  # fmt: skip
+            with tqdm(total=len(SIZES) * (reps + 1), desc="throughput", unit="rep") as bar:
+                for name, size in SIZES.items():
+                    bar.set_postfix_str(name)
+                    result["sizes"][name] = measure_size(info["meta"], name, size, total, reps, bar)
+            print("lookups ...", file=sys.stderr)
+            result["lookup"] = asyncio.run(measure_lookup(info["meta"], lookup_s, 8))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            if os.path.exists(info.get("shm_path", "")):
+                os.unlink(info["shm_path"])
+    big = result["sizes"]["2MiB"]
+    result["shm_get_over_memcpy"] = big["shm_get_over_memcpy"]
+    result["tcp_get_over_socket"] = big["tcp_get_over_socket"]
+    result["lookup_keys_per_s"] = result["lookup"]["lookup_keys_per_s"]
+    result["lookup_p99_ms"] = result["lookup"]["lookup_p99_ms"]
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    ns.out.write_text(json.dumps(result, indent=2) + "\n")
+    png = ns.out.with_name("store_throughput.png")
+    has_plot = plot(result, png)
+    print(
+        json.dumps(
+            {k: result[k] for k in ("shm_get_over_memcpy", "tcp_get_over_socket", "lookup_keys_per_s", "lookup_p99_ms")}
+        )
+    )
+    if not ns.no_report:
+        update_section("store", render(result, png.name if has_plot else None))
+    return 0
+
+
+def render(r: dict, png: str | None) -> str:
+    lines = [
+        "## Store throughput and lookups (`bench/store_throughput.py`)",
+        "",
+        f"- Command: `{r['command']}`",
+        f"- Date: {r['date']}",
+        f"- Machine: {r['machine']}",
+        "- Setup: `kvstore serve` (metadata service + daemon in one process) and the client in the bench process;"
+        " baselines run in the same process tree: memcpy from a shared-memory mapping into the same buffers, and a"
+        " separate raw-socket process streaming the same blocks (`sendall` / `recv_into`). Medians of interleaved"
+        " repetitions. `get_into` includes the lease round trip and the checksum check of every block.",
+        "",
+        "| block | batch | memcpy GB/s | shm get | shm put | get/memcpy | raw socket GB/s | tcp get | tcp put | get/socket | put/socket |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in r["sizes"].items():
+        lines.append(
+            f"| {name} | {s['blocks']} x {name} | {s['memcpy_gbps']:.2f} | {s['shm_get_gbps']:.2f} | {s['shm_put_gbps']:.2f} "
+            f"| **{s['shm_get_over_memcpy']:.2f}** | {s['socket_get_gbps']:.2f} | {s['tcp_get_gbps']:.2f} "
+            f"| {s['tcp_put_gbps']:.2f} | **{s['tcp_get_over_socket']:.2f}** | {s['tcp_put_over_socket']:.2f} |"
+        )
+    lk = r["lookup"]
+    lines += [
+        "",
+        f"Lookups of {lk['keys_per_lookup']} keys, {lk['concurrency']} concurrent callers: "
+        f"**{lk['lookup_keys_per_s']:,} keys/s**, p50 {lk['lookup_p50_ms']} ms, p99 **{lk['lookup_p99_ms']} ms**; "
+        f"one caller alone: p50 {lk['single_caller_p50_ms']} ms, p99 {lk['single_caller_p99_ms']} ms.",
+        "",
+        "| target | measured | goal |",
+        "|---|---|---|",
+        f"| `shm_get_over_memcpy` (2 MiB) | {r['shm_get_over_memcpy']:.2f} | >= 0.8 |",
+        f"| `tcp_get_over_socket` (2 MiB) | {r['tcp_get_over_socket']:.2f} | >= 0.8 |",
+        f"| `lookup_keys_per_s` | {r['lookup_keys_per_s']:,} | >= 2,000,000 |",
+        f"| `lookup_p99_ms` | {r['lookup_p99_ms']} | |",
+    ]
+    if png:
+        lines += ["", f"![store throughput](results/{png})"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
