@@ -57,3 +57,14 @@ def test_stat_against_nothing_is_a_clear_error():
     )  # fmt: skip
     assert r.returncode == 1
     assert "Unavailable" in r.stderr or "Timeout" in r.stderr
+
+
+def test_demo_runs_and_every_loaded_block_equals_recompute():
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "demo", "--sessions", "2", "--turns", "2"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "every loaded block equals its recompute: yes" in r.stdout
+    loaded = int(r.stdout.split("prefix reuse: ")[1].split()[0])
+    assert loaded > 0
