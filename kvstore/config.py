@@ -32,6 +32,11 @@ class MetaConfig:
     sweep_interval_s: float = 0.1
     # Lets AdvanceClock skew the service's clock: for tests of deadlines, never in production.
     allow_clock_skew: bool = False
+    # Tier moves: demote DRAM to SSD above the high watermark, down to the low one.
+    dram_high_watermark: float = 0.9
+    dram_low_watermark: float = 0.8
+    tier_interval_s: float = 0.05
+    move_batch_bytes: int = 64 << 20
 
 
 @dataclass
@@ -48,6 +53,16 @@ class DaemonConfig:
     shm_dir: str = "/dev/shm"
     # Equal host ids mean clients can map this daemon's shared memory; empty = auto.
     host_id: str = ""
+    # SSD segment: 0 = none. Files go under ssd_dir (default: data_dir/ssd).
+    ssd_bytes: int = 0
+    ssd_dir: str = ""
+    ssd_direct_io: bool = True
+    # fast: the OS flushes (survives any process crash); durable: fsync before acknowledging.
+    ssd_durability: str = "fast"
+    # auto: lz4 (plain or byte-shuffled) per block where a sample shrinks by 10 %; off: never.
+    ssd_compress: str = "auto"
+    # On start, verify every recovered block's payload checksum (not only its header).
+    ssd_verify_on_start: bool = True
 
 
 @dataclass

@@ -84,15 +84,22 @@ def run_demo(cfg: Config, sessions: int = 6, turns: int = 4, seed: int = 0, bloc
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
         proc, info = _start_store(tmp, cfg)
         try:
-            print(f"store: metadata service {info['meta']}, daemon {info['daemon_id']} (shared memory {info['shm_path']})\n")
-            print(f"{'turn':>4} {'session':>7} {'prompt':>7} {'loaded':>7} {'computed':>8} {'ttft reuse ms':>14} {'ttft no-store ms':>17}")
+            print(
+                f"store: metadata service {info['meta']}, daemon {info['daemon_id']} (shared memory {info['shm_path']})\n"
+            )
+            print(
+                f"{'turn':>4} {'session':>7} {'prompt':>7} {'loaded':>7} {'computed':>8} {'ttft reuse ms':>14} {'ttft no-store ms':>17}"
+            )
             with SyncKVStoreClient(info["meta"]) as client:
                 for turn in range(turns):
                     for s in range(sessions):
                         user = rng.integers(0, 4096, int(rng.integers(100, 300)))
                         prompt = np.concatenate([histories[s], user])
                         row = _request(client, ks, model, prompt, block_size, block_bytes, totals)
-                        print(f"{turn + 1:>4} {s:>7} {row[0]:>7} {row[1]:>7} {row[2]:>8} {row[3]:>14.1f} {row[4]:>17.1f}", flush=True)
+                        print(
+                            f"{turn + 1:>4} {s:>7} {row[0]:>7} {row[1]:>7} {row[2]:>8} {row[3]:>14.1f} {row[4]:>17.1f}",
+                            flush=True,
+                        )
                         answer = rng.integers(0, 4096, 40)
                         histories[s] = np.concatenate([prompt, answer])
                 st = client.stats()
@@ -111,7 +118,9 @@ def run_demo(cfg: Config, sessions: int = 6, turns: int = 4, seed: int = 0, bloc
         f"prefill time: {totals['t_reuse']:.2f} s with the store vs {totals['t_full']:.2f} s recomputing everything "
         f"({speedup:.1f}x)"
     )
-    print(f"store: {st.keys} blocks, {st.counters['hit_bytes'] / 2**20:.0f} MiB served, {st.counters['dedup_keys']} dedup skips")
+    print(
+        f"store: {st.keys} blocks, {st.counters['hit_bytes'] / 2**20:.0f} MiB served, {st.counters['dedup_keys']} dedup skips"
+    )
     ok = totals["mismatches"] == 0
     print(f"every loaded block equals its recompute: {'yes' if ok else 'NO (' + str(totals['mismatches']) + ')'}")
     return 0 if ok else 1

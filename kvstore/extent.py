@@ -35,11 +35,12 @@ CLEARED = bytes(HEADER_SIZE)
 
 class ExtentHeader(NamedTuple):
     key: bytes
-    length: int
-    checksum: int
+    length: int  # stored payload bytes
+    checksum: int  # xxh3-64 of the raw (uncompressed) payload
     seq: int
     offset: int = 0
-    flags: int = 0
+    flags: int = 0  # codec bits (SSD segments); 0 = stored raw
+    raw_length: int = 0
 
 
 def checksum(data) -> int:  # noqa: ANN001 - any buffer
@@ -47,15 +48,20 @@ def checksum(data) -> int:  # noqa: ANN001 - any buffer
     return xxhash.xxh3_64_intdigest(data)
 
 
-def extent_size(length: int) -> int:
+SSD_ALIGN = 4096  # direct I/O granularity
+
+
+def extent_size(length: int, align: int = ALIGN) -> int:
     """Bytes an extent of ``length`` payload bytes takes in a segment (header and padding included)."""
-    return (HEADER_SIZE + length + ALIGN - 1) // ALIGN * ALIGN
+    return (HEADER_SIZE + length + align - 1) // align * align
 
 
-def pack_header(key: bytes, length: int, csum: int, seq: int | None = None, flags: int = 0) -> bytes:
+def pack_header(
+    key: bytes, length: int, csum: int, seq: int | None = None, flags: int = 0, raw_length: int | None = None
+) -> bytes:
     if seq is None:
         seq = time.time_ns()
-    body = _HEADER.pack(MAGIC, VERSION, flags, key, length, csum, seq, length)
+    body = _HEADER.pack(MAGIC, VERSION, flags, key, length, csum, seq, length if raw_length is None else raw_length)
     return body + _CRC.pack(xxhash.xxh32_intdigest(body))
 
 
@@ -67,10 +73,10 @@ def parse_header(buf, offset: int = 0) -> ExtentHeader | None:  # noqa: ANN001
     body = raw[:60]
     if _CRC.unpack_from(raw, 60)[0] != xxhash.xxh32_intdigest(body):
         return None
-    magic, version, flags, key, length, csum, seq, _raw_len = _HEADER.unpack(body)
+    magic, version, flags, key, length, csum, seq, raw_len = _HEADER.unpack(body)
     if version != VERSION:
         return None
-    return ExtentHeader(key, length, csum, seq, offset, flags)
+    return ExtentHeader(key, length, csum, seq, offset, flags, raw_len)
 
 
 class ScanResult(NamedTuple):
@@ -93,7 +99,7 @@ def scan(segment: np.ndarray, verify: bool = True) -> ScanResult:
     discarded = 0
     for off in candidates.tolist():
         h = parse_header(segment, off)
-        if h is None or off + HEADER_SIZE + h.length > segment.size:
+        if h is None or h.flags or off + HEADER_SIZE + h.length > segment.size:
             discarded += 1
             continue
         if verify and checksum(segment[off + HEADER_SIZE : off + HEADER_SIZE + h.length]) != h.checksum:

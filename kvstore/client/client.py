@@ -229,7 +229,9 @@ class KVStoreClient:
         task.add_done_callback(self._pending.discard)
 
     def _use_shm(self, p: Placement) -> bool:
-        if self.cfg.transport == "tcp":
+        """Shared memory for DRAM segments on this host; everything else (SSD blocks, which
+        the daemon reads and verifies, and other hosts) through the data port."""
+        if self.cfg.transport == "tcp" or p.segment.tier != 1:
             return False
         path = p.segment.shm_path
         usable = p.daemon.host_id == self.host_id and self._shm.usable(path)

@@ -13,6 +13,10 @@ import socket
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
+from kvstore.daemon.arena import ShmArena
+from kvstore.daemon.ssd import SsdSegment
 from kvstore.extent import HEADER_SIZE, checksum, pack_header, parse_header
 from kvstore.transport.frames import (
     ENTRY,
@@ -46,6 +50,7 @@ class DataPort:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.counters = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "bad_frames": 0}
+        self._local = threading.local()
         self._thread = threading.Thread(target=self._accept_loop, name="dataport-accept", daemon=True)
 
     def start(self) -> None:
@@ -129,16 +134,26 @@ class DataPort:
         return arenas
 
     def _read(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list) -> None:
-        status = bytearray(len(entries))
-        for i, ((key, _s, _r, off, length, _c), arena) in enumerate(zip(entries, arenas)):
-            h = parse_header(arena.view, off)
-            if h is None or h.key != key or h.length != length:
-                status[i] = EntryStatus.MISMATCH
-        conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0) + bytes(status))
+        conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0))
         sent = 0
-        for i, ((_k, _s, _r, off, length, _c), arena) in enumerate(zip(entries, arenas)):
-            if status[i] == EntryStatus.OK:
-                conn.sendall(arena.view[off + HEADER_SIZE : off + HEADER_SIZE + length])
+        for (key, _s, _r, off, length, _c), seg in zip(entries, arenas):
+            if isinstance(seg, SsdSegment):
+                st, payload = seg.read(off, key, length)
+                status = (
+                    EntryStatus.OK
+                    if st.ok
+                    else {"checksum": EntryStatus.CHECKSUM, "io": EntryStatus.IO_ERROR}.get(
+                        st.reason, EntryStatus.MISMATCH
+                    )
+                )
+            else:
+                h = parse_header(seg.view, off)
+                ok = h is not None and h.key == key and h.length == length
+                status = EntryStatus.OK if ok else EntryStatus.MISMATCH
+                payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length] if ok else None
+            conn.sendall(bytes((status,)))
+            if status == EntryStatus.OK:
+                conn.sendall(payload)
                 sent += length
         self.counters["reads"] += len(entries)
         self.counters["read_bytes"] += sent
@@ -146,16 +161,36 @@ class DataPort:
     def _write(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list) -> None:
         status = bytearray(len(entries))
         total = 0
-        for i, ((key, _s, _r, off, length, csum), arena) in enumerate(zip(entries, arenas)):
-            arena.clear_header(off)
-            payload = arena.view[off + HEADER_SIZE : off + HEADER_SIZE + length]
-            if not recv_exact(conn, payload):
-                raise ConnectionError("peer closed mid-write")
-            if checksum(payload) != csum:
-                status[i] = EntryStatus.CHECKSUM
-                continue
-            arena.view[off : off + HEADER_SIZE] = pack_header(key, length, csum)
+        for i, ((key, _s, _r, off, length, csum), seg) in enumerate(zip(entries, arenas)):
+            if isinstance(seg, ShmArena):
+                seg.clear_header(off)
+                payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length]
+                if not recv_exact(conn, payload):
+                    raise ConnectionError("peer closed mid-write")
+                if checksum(payload) != csum:
+                    status[i] = EntryStatus.CHECKSUM
+                    continue
+                seg.view[off : off + HEADER_SIZE] = pack_header(key, length, csum)
+            else:
+                staging = self._staging(length)
+                if not recv_exact(conn, memoryview(staging)):
+                    raise ConnectionError("peer closed mid-write")
+                if checksum(staging) != csum:
+                    status[i] = EntryStatus.CHECKSUM
+                    continue
+                try:
+                    seg.write(off, key, staging, csum)
+                except (OSError, ValueError) as e:
+                    log.warning("event=ssd_write_failed key=%s reason=%r", key.hex(), str(e))
+                    status[i] = EntryStatus.IO_ERROR
+                    continue
             total += length
         conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0) + bytes(status))
         self.counters["writes"] += len(entries)
         self.counters["write_bytes"] += total
+
+    def _staging(self, size: int) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.size < size:
+            buf = self._local.buf = np.ones(max(size, 4 << 20), np.uint8)
+        return buf[:size]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from pathlib import Path
 
@@ -22,15 +23,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.config import DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
-from kvstore.extent import scan
+from kvstore.daemon.ssd import SsdSegment
+from kvstore.extent import HEADER_SIZE, checksum, extent_size, pack_header, parse_header, scan
 from kvstore.keys import KEY_BYTES, unpack_keys
 from kvstore.meta.service import GRPC_OPTIONS
 from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc, meta_pb2, meta_pb2_grpc
-from kvstore.wire import U64, pack, unpack
+from kvstore.wire import U8, U32, U64, pack, unpack
 
 log = logging.getLogger("kvstore.daemon")
 
 DRAM_SEGMENT = 1
+SSD_SEGMENT = 2
 
 
 def _inventory(segment_id: int, arena: ShmArena, verify: bool = True) -> tuple[common_pb2.Inventory, int]:
@@ -59,6 +62,9 @@ class _Control(daemon_pb2_grpc.DaemonControlServicer):
         invs, discarded = self.daemon.inventory(verify=request.verify)
         return daemon_pb2.InventoryResponse(inventory=invs, discarded=discarded)
 
+    async def Move(self, request, context):
+        return await asyncio.to_thread(self.daemon.move, request)
+
 
 class CacheDaemon:
     def __init__(self, cfg: DaemonConfig) -> None:
@@ -69,7 +75,20 @@ class CacheDaemon:
         self.host_id = cfg.host_id or default_host_id()
         shm_path = Path(cfg.shm_dir) / f"kvstore-{self.daemon_id}-dram"
         self.dram = ShmArena(shm_path, cfg.dram_bytes, create=True)
-        self.segments = {DRAM_SEGMENT: self.dram}
+        self.segments: dict[int, ShmArena | SsdSegment] = {DRAM_SEGMENT: self.dram}
+        self.ssd: SsdSegment | None = None
+        self.recovery_seconds = 0.0
+        self._ssd_recovered: tuple[list, int] | None = None
+        if cfg.ssd_bytes > 0:
+            self.ssd = SsdSegment(
+                cfg.ssd_dir or data_dir / "ssd",
+                SSD_SEGMENT,
+                cfg.ssd_bytes,
+                direct_io=cfg.ssd_direct_io,
+                durability=cfg.ssd_durability,
+                compress_policy=cfg.ssd_compress,
+            )
+            self.segments[SSD_SEGMENT] = self.ssd
         self.dataport = DataPort(cfg.host, cfg.data_port, lambda: self.segments)
         self.control_port = 0
         self._server: grpc.aio.Server | None = None
@@ -89,26 +108,96 @@ class CacheDaemon:
         return did
 
     def info(self) -> common_pb2.DaemonInfo:
+        segs = [
+            common_pb2.Segment(
+                segment_id=DRAM_SEGMENT,
+                tier=common_pb2.TIER_DRAM,
+                capacity_bytes=self.dram.size,
+                shm_path=self.dram.path,
+            )
+        ]
+        if self.ssd is not None:
+            segs.append(
+                common_pb2.Segment(segment_id=SSD_SEGMENT, tier=common_pb2.TIER_SSD, capacity_bytes=self.ssd.size)
+            )
         return common_pb2.DaemonInfo(
             daemon_id=self.daemon_id,
             host_id=self.host_id,
             data_addr=f"{self.cfg.host}:{self.dataport.port}",
             control_addr=f"{self.cfg.host}:{self.control_port}",
-            segments=[
-                common_pb2.Segment(
-                    segment_id=DRAM_SEGMENT,
-                    tier=common_pb2.TIER_DRAM,
-                    capacity_bytes=self.dram.size,
-                    shm_path=self.dram.path,
-                )
-            ],
+            segments=segs,
         )
+
+    def recover(self) -> None:
+        """Start-up recovery of the SSD segment: journal replay, header and checksum checks."""
+        if self.ssd is not None:
+            t = time.perf_counter()
+            blocks, discarded = self.ssd.recover(verify=self.cfg.ssd_verify_on_start)
+            self.recovery_seconds = time.perf_counter() - t
+            log.info(
+                "event=ssd_recovered daemon=%s blocks=%d discarded=%d seconds=%.3f",
+                self.daemon_id, len(blocks), discarded, self.recovery_seconds,
+            )  # fmt: skip
+            self._ssd_recovered = (blocks, discarded)
 
     def inventory(self, verify: bool = True) -> tuple[list[common_pb2.Inventory], int]:
         inv, discarded = _inventory(DRAM_SEGMENT, self.dram, verify)
-        return [inv], discarded
+        invs = [inv]
+        if self.ssd is not None:
+            blocks = self.ssd.inventory()
+            invs.append(
+                common_pb2.Inventory(
+                    segment_id=SSD_SEGMENT,
+                    keys=b"".join(b.key for b in blocks),
+                    offset=pack([b.offset for b in blocks], U64),
+                    length=pack([b.length for b in blocks], U64),
+                    checksum=pack([b.checksum for b in blocks], U64),
+                    seq=pack([b.seq for b in blocks], U64),
+                    size=pack([b.size for b in blocks], U64),
+                )
+            )
+            if self._ssd_recovered is not None:
+                discarded += self._ssd_recovered[1]
+        return invs, discarded
+
+    def move(self, req: daemon_pb2.MoveRequest) -> daemon_pb2.MoveResponse:
+        """Copies blocks between segments; a source that fails its check is not copied."""
+        keys = unpack_keys(req.keys)
+        n = len(keys)
+        cols = (
+            unpack(req.src_segment, U32, "src_segment", n),
+            unpack(req.src_offset, U64, "src_offset", n),
+            unpack(req.dst_segment, U32, "dst_segment", n),
+            unpack(req.dst_offset, U64, "dst_offset", n),
+            unpack(req.length, U64, "length", n),
+            unpack(req.checksum, U64, "checksum", n),
+        )
+        ok, stored = [], []
+        for key, ss, so, ds, do, length, csum in zip(keys, *cols):
+            src, dst = self.segments.get(ss), self.segments.get(ds)
+            size = 0
+            try:
+                if isinstance(src, ShmArena) and isinstance(dst, SsdSegment):
+                    payload = src.array[so + HEADER_SIZE : so + HEADER_SIZE + length]
+                    h = parse_header(src.view, so)
+                    if h is not None and h.key == key and h.length == length and checksum(payload) == csum:
+                        size = dst.write(do, key, payload, csum)
+                elif isinstance(src, SsdSegment) and isinstance(dst, ShmArena):
+                    if 0 <= do and do + HEADER_SIZE + length <= dst.size:
+                        dst.clear_header(do)
+                        out = dst.array[do + HEADER_SIZE : do + HEADER_SIZE + length]
+                        status, _ = src.read(so, key, length, out=out)
+                        if status.ok:
+                            dst.view[do : do + HEADER_SIZE] = pack_header(key, length, csum)
+                            size = extent_size(length)
+            except (OSError, ValueError) as e:
+                log.warning("event=move_failed key=%s reason=%r", key.hex(), str(e))
+            ok.append(int(size > 0))
+            stored.append(size)
+        return daemon_pb2.MoveResponse(ok=pack(ok, U8), stored_size=pack(stored, U64))
 
     async def start(self) -> None:
+        await asyncio.to_thread(self.recover)
         self.dataport.start()
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         daemon_pb2_grpc.add_DaemonControlServicer_to_server(_Control(self), self._server)
@@ -166,12 +255,12 @@ class CacheDaemon:
 
     def _invalidate(self, invalidations) -> None:  # noqa: ANN001
         for inv in invalidations:
-            arena = self.segments.get(inv.segment_id)
-            if arena is None:
+            seg = self.segments.get(inv.segment_id)
+            if seg is None:
                 continue
             keys = unpack_keys(inv.keys)
             for key, off in zip(keys, unpack(inv.offset, U64, "offset", len(keys))):
-                arena.invalidate(off, key)
+                seg.invalidate(off, key)
 
     async def stop(self) -> None:
         if self._hb_task:
@@ -182,3 +271,5 @@ class CacheDaemon:
         if self._channel:
             await self._channel.close()
         self.dram.close()
+        if self.ssd is not None:
+            self.ssd.close()

@@ -13,12 +13,13 @@ from kvstore.extent import ALIGN
 
 
 class Allocator:
-    """Allocates ALIGN-aligned extents in ``[0, capacity)``. Not thread-safe (single event loop)."""
+    """Allocates ``align``-aligned extents in ``[0, capacity)``. Not thread-safe (single event loop)."""
 
-    __slots__ = ("capacity", "used", "_by_start", "_by_end", "_by_size")
+    __slots__ = ("capacity", "used", "align", "_by_start", "_by_end", "_by_size")
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity - capacity % ALIGN
+    def __init__(self, capacity: int, align: int = ALIGN) -> None:
+        self.align = align
+        self.capacity = capacity - capacity % align
         self.used = 0
         self._by_start: dict[int, int] = {}  # start -> size
         self._by_end: dict[int, int] = {}  # end -> start
@@ -46,8 +47,8 @@ class Allocator:
 
     def alloc(self, size: int) -> int | None:
         """Offset of a new extent of ``size`` bytes, or None if no free range is large enough."""
-        if size <= 0 or size % ALIGN:
-            raise ValueError(f"extent size must be a positive multiple of {ALIGN}, got {size}")
+        if size <= 0 or size % self.align:
+            raise ValueError(f"extent size must be a positive multiple of {self.align}, got {size}")
         bucket = self._by_size.get(size)
         if bucket:
             start = next(iter(bucket))
@@ -67,19 +68,21 @@ class Allocator:
         return start
 
     @classmethod
-    def with_used(cls, capacity: int, extents: list[tuple[int, int]]) -> tuple[Allocator, list[bool]]:
+    def with_used(
+        cls, capacity: int, extents: list[tuple[int, int]], align: int = ALIGN
+    ) -> tuple[Allocator, list[bool]]:
         """An allocator whose ``extents`` (start, size) are in use (index rebuild from an inventory).
 
         Returns it and, per extent, whether it was accepted: an extent that is misaligned, out of
         range or overlaps an earlier accepted one is refused.
         """
-        alloc = cls(0)
-        alloc.capacity = capacity - capacity % ALIGN
+        alloc = cls(0, align)
+        alloc.capacity = capacity - capacity % align
         accepted = [False] * len(extents)
         cursor = 0
         for i in sorted(range(len(extents)), key=lambda j: extents[j][0]):
             start, size = extents[i]
-            if start < cursor or size <= 0 or start % ALIGN or size % ALIGN or start + size > alloc.capacity:
+            if start < cursor or size <= 0 or start % align or size % align or start + size > alloc.capacity:
                 continue
             if start > cursor:
                 alloc._add(cursor, start - cursor)

@@ -10,10 +10,17 @@ Replica life cycle::
                    +-- PutAbort / deadline / daemon lost --> freed     +-- evict / Remove /
                                                                            corrupt / daemon lost --> freed
 
-Eviction is per segment, least recently used first, over COMPLETE replicas that are neither
+Eviction is per segment, least recently used first, over ready replicas that are neither
 leased nor pinned (those are not in the LRU at all, so they can never be picked). Every access
 touches a chain's keys from tail to head, so a chain's head is always more recent than its tail
 and the tail is dropped first: a block is worthless without its predecessors.
+
+Tiers. A block has one or two replicas: DRAM, SSD, or both (an SSD copy promoted back to DRAM
+keeps its SSD copy, so dropping that DRAM copy later costs nothing). Where a daemon has an SSD
+segment, its DRAM is never simply dropped: a DRAM replica without an SSD copy leaves DRAM only
+by a *move* (demotion) planned here and carried out by the daemon, and the SSD replica is made
+ready before the DRAM one is freed. Puts go to DRAM, or straight to SSD when DRAM has no room
+that can be freed at once. SSD is the last tier: its LRU victims are dropped.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.extent import extent_size
+from kvstore.extent import ALIGN, SSD_ALIGN, extent_size
 from kvstore.keys import KEY_BYTES, unpack_keys
 from kvstore.meta.allocator import Allocator
 
@@ -82,15 +89,19 @@ class DaemonSpec:
 class InventoryItem(NamedTuple):
     key: bytes
     offset: int
-    length: int
-    checksum: int
+    length: int  # payload bytes (uncompressed)
+    checksum: int  # xxh3-64 of the payload
+    size: int = 0  # extent bytes in the segment; 0 = computed from length
+
+
+SEGMENT_ALIGN = {Tier.DRAM: ALIGN, Tier.SSD: SSD_ALIGN, Tier.GPU: ALIGN}
 
 
 ROW = struct.Struct("<IIQQQ")  # segment ref | reserved | offset | length | checksum (common.proto)
 
 
 class Replica:
-    __slots__ = ("segment", "offset", "size", "length", "checksum", "leases", "entry", "live", "row")
+    __slots__ = ("segment", "offset", "size", "length", "checksum", "leases", "entry", "live", "ready", "row")
 
     def __init__(self, segment: Segment, offset: int, size: int, length: int, entry: Entry) -> None:
         self.segment = segment
@@ -101,22 +112,51 @@ class Replica:
         self.leases = 0
         self.entry = entry
         self.live = True  # False once dropped from the index (freed when the last lease goes)
+        self.ready = False  # bytes written and committed: readable
         self.row = ROW.pack(segment.ref, 0, offset, length, 0)
+
+    @property
+    def tier(self) -> Tier:
+        return self.segment.spec.tier
 
     def set_checksum(self, csum: int) -> None:
         self.checksum = csum
         self.row = ROW.pack(self.segment.ref, 0, self.offset, self.length, csum)
 
+    def evictable(self) -> bool:
+        return self.live and self.ready and self.leases == 0 and not self.entry.pinned and self.entry.complete
+
 
 class Entry:
-    __slots__ = ("key", "complete", "replica", "pinned", "put_id")
+    __slots__ = ("key", "complete", "replicas", "pinned", "put_id", "moving")
 
     def __init__(self, key: bytes, put_id: int) -> None:
         self.key = key
         self.complete = False
-        self.replica: Replica | None = None
+        self.replicas: list[Replica] = []
         self.pinned = False
         self.put_id = put_id
+        self.moving = False  # a demotion or promotion of this block is under way
+
+    @property
+    def replica(self) -> Replica | None:
+        """The replica a reader gets: a ready DRAM one first, else any ready one (a pending
+        entry: its reservation)."""
+        best = None
+        for r in self.replicas:
+            if r.ready:
+                if r.segment.spec.tier == Tier.DRAM:
+                    return r
+                best = best or r
+        if best is None and self.replicas and not self.complete:
+            return self.replicas[0]
+        return best
+
+    def on(self, tier: Tier) -> Replica | None:
+        for r in self.replicas:
+            if r.segment.spec.tier == tier:
+                return r
+        return None
 
 
 class Segment:
@@ -126,12 +166,16 @@ class Segment:
         self.daemon = daemon
         self.ref = ref  # names this segment in location rows
         self.spec = spec
-        self.alloc = alloc or Allocator(spec.capacity)
+        self.alloc = alloc or Allocator(spec.capacity, SEGMENT_ALIGN[spec.tier])
         # Evictable replicas only, oldest first.
         self.lru: OrderedDict[bytes, Replica] = OrderedDict()
         self.blocks = 0
         self.pinned = 0
         self.leased = 0
+
+    @property
+    def align(self) -> int:
+        return self.alloc.align
 
 
 @dataclass(slots=True)
@@ -142,6 +186,12 @@ class Daemon:
     segments: dict[int, Segment] = field(default_factory=dict)
     # (segment_id, key, offset) of freed extents whose header the daemon must clear.
     invalidations: list[tuple[int, bytes, int]] = field(default_factory=list)
+
+    def tier(self, tier: Tier) -> Segment | None:
+        for s in self.segments.values():
+            if s.spec.tier == tier:
+                return s
+        return None
 
 
 @dataclass(slots=True)
@@ -157,6 +207,16 @@ class Lease:
     lease_id: int
     deadline: float
     replicas: list[Replica]
+
+
+@dataclass(slots=True)
+class Move:
+    """A copy of one block between two segments of one daemon (demotion or promotion)."""
+
+    move_id: int
+    src: Replica  # leased for the duration
+    dst: Replica  # reserved, not ready
+    demote: bool
 
 
 class PutStartResult(NamedTuple):
@@ -183,6 +243,18 @@ class IndexLimits:
     max_lease_ttl_s: float = 300.0
     daemon_ttl_s: float = 3.0
     heartbeat_interval_s: float = 0.5
+    # DRAM fill above which the coldest blocks are demoted to SSD, and the fill to demote down to.
+    dram_high_watermark: float = 0.9
+    dram_low_watermark: float = 0.8
+
+
+_COUNTERS = (
+    "lookups", "lookup_keys", "lookup_hit_keys", "acquires", "hit_keys", "miss_keys", "hit_bytes",
+    "ssd_hit_keys", "puts", "put_keys", "put_bytes", "put_ssd_keys", "dedup_keys", "no_space_keys",
+    "evictions", "evicted_bytes", "dropped_clean", "demoted", "demoted_bytes", "promoted",
+    "promoted_bytes", "moves_failed", "removed", "expired_puts", "expired_leases", "corrupt_reported",
+    "daemons_lost",
+)  # fmt: skip
 
 
 class Index:
@@ -196,35 +268,16 @@ class Index:
         self.daemons: dict[str, Daemon] = {}
         self.puts: dict[int, Put] = {}
         self.leases: dict[int, Lease] = {}
+        self.moves: dict[int, Move] = {}
+        # Blocks read from SSD, to be promoted to DRAM in the background (insertion-ordered set).
+        self.promote_queue: dict[bytes, None] = {}
         # Ids start at a random point so that ids from before a restart are never reused.
         base = random.getrandbits(62)
         self._put_ids = itertools.count(base)
         self._lease_ids = itertools.count(base)
+        self._move_ids = itertools.count(base)
         self._segment_refs = itertools.count(1)
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_keys",
-                "lookup_hit_keys",
-                "acquires",
-                "hit_keys",
-                "miss_keys",
-                "hit_bytes",
-                "puts",
-                "put_keys",
-                "put_bytes",
-                "dedup_keys",
-                "no_space_keys",
-                "evictions",
-                "evicted_bytes",
-                "removed",
-                "expired_puts",
-                "expired_leases",
-                "corrupt_reported",
-                "daemons_lost",
-            ),
-            0,
-        )
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -251,14 +304,60 @@ class Index:
             raise InvalidArgument(f"{what} of {value_s:.3f} s is over the limit of {limit:.0f} s")
         return value_s
 
+    # ---- replica bookkeeping ----------------------------------------------------------------
+
+    def _add_replica(self, e: Entry, seg: Segment, offset: int, size: int, length: int) -> Replica:
+        rep = Replica(seg, offset, size, length, e)
+        e.replicas.append(rep)
+        seg.blocks += 1
+        if e.pinned:
+            seg.pinned += 1
+        return rep
+
+    def _make_ready(self, rep: Replica, csum: int) -> None:
+        rep.set_checksum(csum)
+        rep.ready = True
+        if rep.evictable():
+            rep.segment.lru[rep.entry.key] = rep
+
+    def _drop_replica(self, rep: Replica, free: bool = True) -> None:
+        """Removes a replica from the index. Its extent is freed now, or when its last lease
+        ends; ``free=False`` (daemon lost) forgets the space along with the daemon. An entry
+        left with no ready replica leaves the index."""
+        if not rep.live:
+            return
+        e = rep.entry
+        seg = rep.segment
+        rep.live = False
+        rep.ready = False
+        seg.lru.pop(e.key, None)
+        seg.blocks -= 1
+        if e.pinned:
+            seg.pinned -= 1
+        if rep in e.replicas:
+            e.replicas.remove(rep)
+        if free:
+            seg.daemon.invalidations.append((seg.spec.segment_id, e.key, rep.offset))
+            if rep.leases == 0:
+                seg.alloc.release(rep.offset, rep.size)
+        if e.complete and not any(r.ready for r in e.replicas):
+            for r in list(e.replicas):  # a pending move target of a vanished block
+                self._drop_replica(r, free)
+            e.complete = False
+            e.pinned = False
+            if self.entries.get(e.key) is e:
+                del self.entries[e.key]
+        elif not e.complete and not e.replicas and self.entries.get(e.key) is e:
+            del self.entries[e.key]
+
     # ---- daemons ----------------------------------------------------------------------------
 
     def register_daemon(self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> int:
-        """(Re)registers a daemon and adopts its inventory as COMPLETE replicas.
+        """(Re)registers a daemon and adopts its inventory as ready replicas.
 
         Whatever the index held for this daemon before is dropped first: the daemon's word on
         what its segments hold wins. Returns how many inventory items were refused (overlap,
-        out of range, a key already stored elsewhere).
+        out of range, a key already stored on another daemon).
         """
         if not spec.daemon_id:
             raise InvalidArgument("daemon_id must not be empty")
@@ -276,25 +375,35 @@ class Index:
         now = self.clock.now()
         daemon = Daemon(spec, now + self.limits.daemon_ttl_s, now)
         rejected = 0
-        for sspec in spec.segments:
+        # DRAM first, so that an entry's DRAM replica is its first.
+        for sspec in sorted(spec.segments, key=lambda s: int(s.tier)):
+            align = SEGMENT_ALIGN[sspec.tier]
             items = inventory.get(sspec.segment_id, [])
-            alloc, accepted = Allocator.with_used(sspec.capacity, [(it.offset, extent_size(it.length)) for it in items])
+            sizes = [it.size or extent_size(it.length, align) for it in items]
+            alloc, accepted = Allocator.with_used(
+                sspec.capacity, [(it.offset, sz) for it, sz in zip(items, sizes)], align
+            )
             seg = Segment(daemon, sspec, next(self._segment_refs), alloc)
             daemon.segments[sspec.segment_id] = seg
-            for it, ok in zip(items, accepted):  # oldest first: LRU order
-                if not ok or len(it.key) != KEY_BYTES or it.key in self.entries:
+            for it, size, ok in zip(items, sizes, accepted):  # oldest first: LRU order
+                e = self.entries.get(it.key)
+                clash = e is not None and (
+                    not e.complete
+                    or e.on(sspec.tier) is not None
+                    or any(r.segment.daemon is not daemon for r in e.replicas)
+                    or e.replica.length != it.length  # type: ignore[union-attr]
+                )
+                if not ok or len(it.key) != KEY_BYTES or clash:
                     if ok:
-                        alloc.release(it.offset, extent_size(it.length))
+                        alloc.release(it.offset, size)
                     rejected += 1
                     continue
-                entry = Entry(it.key, 0)
-                rep = Replica(seg, it.offset, extent_size(it.length), it.length, entry)
-                rep.set_checksum(it.checksum)
-                entry.replica = rep
-                entry.complete = True
-                self.entries[it.key] = entry
-                seg.blocks += 1
-                seg.lru[it.key] = rep
+                if e is None:
+                    e = Entry(it.key, 0)
+                    self.entries[it.key] = e
+                rep = self._add_replica(e, seg, it.offset, size, it.length)
+                e.complete = True
+                self._make_ready(rep, it.checksum)
         self.daemons[spec.daemon_id] = daemon
         return rejected
 
@@ -311,17 +420,17 @@ class Index:
 
     def _drop_daemon(self, daemon_id: str) -> None:
         d = self.daemons.pop(daemon_id)
+        for mid in [m for m, mv in self.moves.items() if mv.src.segment.daemon is d]:
+            self.finish_move(mid, False)
         for put in self.puts.values():
             # Entries keep their position in put.entries: commit arrays are aligned with it.
             for e in put.entries:
-                if e.replica is not None and e.replica.segment.daemon is d:
-                    e.replica.live = False
-                    e.replica = None
-                    if self.entries.get(e.key) is e:
-                        del self.entries[e.key]
-        # Every COMPLETE replica on it, leased and pinned ones included (those are not in the LRU).
-        for e in [e for e in self.entries.values() if e.replica is not None and e.replica.segment.daemon is d]:
-            self._drop_replica(e.replica, free=False)  # type: ignore[arg-type]
+                for r in list(e.replicas):
+                    if r.segment.daemon is d:
+                        self._drop_replica(r, free=False)
+        for e in [e for e in self.entries.values() if any(r.segment.daemon is d for r in e.replicas)]:
+            for r in [r for r in e.replicas if r.segment.daemon is d]:
+                self._drop_replica(r, free=False)
 
     # ---- writes -----------------------------------------------------------------------------
 
@@ -345,10 +454,10 @@ class Index:
         excluded = set(exclude)
         segments = self._placement_order(host_id, excluded)
         if not segments:
-            raise ResourceExhausted("no live daemon with a DRAM segment to place blocks on")
-        biggest = max(s.alloc.capacity for s in segments)
+            raise ResourceExhausted("no live daemon with a segment to place blocks on")
         for i, s in enumerate(sizes):
-            if extent_size(s) > biggest:
+            if not any(extent_size(s, seg.align) <= seg.alloc.capacity for seg in segments):
+                biggest = max(seg.alloc.capacity for seg in segments)
                 raise InvalidArgument(f"sizes[{i}]: block of {s} bytes is larger than any segment ({biggest} bytes)")
 
         now = self.clock.now()
@@ -361,8 +470,10 @@ class Index:
         held = []
         for k in keys:
             e = self.entries.get(k)
-            if e is not None and e.complete and e.replica is not None and e.replica.segment.lru.pop(k, None):
-                held.append(e.replica)
+            if e is not None and e.complete:
+                for r in e.replicas:
+                    if r.segment.lru.pop(k, None) is not None:
+                        held.append(r)
         try:
             out_of_space = False
             for key, size in zip(keys, sizes):
@@ -370,22 +481,21 @@ class Index:
                 if e is not None:
                     status.append(PutStatus.SKIP_EXISTS if e.complete else PutStatus.SKIP_INFLIGHT)
                     continue
-                rep = None if out_of_space else self._allocate(segments, extent_size(size))
-                if rep is None:
+                got = None if out_of_space else self._allocate(segments, size)
+                if got is None:
                     out_of_space = True  # keep chain order: nothing after a gap is placed
                     status.append(PutStatus.NO_SPACE)
                     continue
-                seg, offset = rep
+                seg, offset = got
                 e = Entry(key, put_id)
-                e.replica = Replica(seg, offset, extent_size(size), size, e)
-                seg.blocks += 1
+                rep = self._add_replica(e, seg, offset, extent_size(size, seg.align), size)
                 self.entries[key] = e
                 allocated.append(e)
                 status.append(PutStatus.ALLOCATED)
-                placements.append(e.replica)
+                placements.append(rep)
         finally:
             for rep in held:
-                if rep.live and rep.leases == 0 and not rep.entry.pinned:
+                if rep.evictable():
                     rep.segment.lru[rep.entry.key] = rep
         n_skip = sum(1 for s in status if s in (PutStatus.SKIP_EXISTS, PutStatus.SKIP_INFLIGHT))
         n_nospace = status.count(PutStatus.NO_SPACE)
@@ -404,33 +514,55 @@ class Index:
         return PutStartResult(put_id, status, placements, timeout)
 
     def _placement_order(self, host_id: str, excluded: set[str]) -> list[Segment]:
+        """DRAM segments (same host first, then most free), then SSD segments likewise."""
         segs = [
             s
             for d in self.daemons.values()
             if d.spec.daemon_id not in excluded
             for s in d.segments.values()
-            if s.spec.tier == Tier.DRAM
+            if s.spec.tier in (Tier.DRAM, Tier.SSD)
         ]
-        segs.sort(key=lambda s: (s.daemon.spec.host_id != host_id, -s.alloc.free))
+        segs.sort(key=lambda s: (int(s.spec.tier), s.daemon.spec.host_id != host_id, -s.alloc.free))
         return segs
 
-    def _allocate(self, segments: list[Segment], size: int) -> tuple[Segment, int] | None:
+    def _allocate(self, segments: list[Segment], length: int) -> tuple[Segment, int] | None:
         for seg in segments:
-            off = seg.alloc.alloc(size)
+            off = seg.alloc.alloc(extent_size(length, seg.align))
             if off is not None:
                 return seg, off
-        for seg in segments:  # evict, preferred segment first
-            while seg.lru:
-                self._evict_one(seg)
+        for seg in segments:  # make room, preferred segment first
+            size = extent_size(length, seg.align)
+            while True:
+                victim = self._victim(seg)
+                if victim is None:
+                    break
+                self._evict(victim)
                 off = seg.alloc.alloc(size)
                 if off is not None:
                     return seg, off
         return None
 
-    def _evict_one(self, seg: Segment) -> None:
-        _, rep = seg.lru.popitem(last=False)
-        self.counters["evictions"] += 1
-        self.counters["evicted_bytes"] += rep.length
+    def _victim(self, seg: Segment, scan: int = 512) -> Replica | None:
+        """What to drop to make room in ``seg`` without losing a block that has nowhere else
+        to go: any LRU replica, except that in a DRAM segment of a daemon with SSD only
+        replicas that already have an SSD copy qualify (the others wait for demotion)."""
+        if not seg.lru:
+            return None
+        if seg.spec.tier != Tier.DRAM or seg.daemon.tier(Tier.SSD) is None:
+            return next(iter(seg.lru.values()))
+        for i, rep in enumerate(seg.lru.values()):
+            if i >= scan:
+                break
+            if len(rep.entry.replicas) > 1:
+                return rep
+        return None
+
+    def _evict(self, rep: Replica) -> None:
+        if len(rep.entry.replicas) > 1:
+            self.counters["dropped_clean"] += 1
+        else:
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += rep.length
         self._drop_replica(rep)
 
     def put_commit(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> int:
@@ -452,17 +584,19 @@ class Index:
         del self.puts[put_id]
         committed = 0
         for i, (e, csum) in enumerate(zip(put.entries, checksums)):
-            rep = e.replica
-            if rep is None:  # its daemon was lost meanwhile
+            if not e.replicas:  # its daemon was lost meanwhile
                 continue
+            rep = e.replicas[0]
             if written is not None and not written[i]:
-                self._free_pending(e)
+                self._drop_replica(rep)
                 continue
-            rep.set_checksum(csum)
             e.complete = True
+            self._make_ready(rep, csum)
             committed += 1
             self.counters["put_keys"] += 1
             self.counters["put_bytes"] += rep.length
+            if rep.tier == Tier.SSD:
+                self.counters["put_ssd_keys"] += 1
         self._touch_chain(put.keys)
         return committed
 
@@ -472,20 +606,10 @@ class Index:
             raise NotFound(f"put {put_id} is unknown (already committed, aborted or expired)")
         released = 0
         for e in put.entries:
-            if e.replica is not None:
-                self._free_pending(e)
+            for r in list(e.replicas):
+                self._drop_replica(r)
                 released += 1
         return released
-
-    def _free_pending(self, e: Entry) -> None:
-        rep = e.replica
-        assert rep is not None and not e.complete
-        rep.segment.alloc.release(rep.offset, rep.size)
-        rep.segment.blocks -= 1
-        rep.live = False
-        e.replica = None
-        if self.entries.get(e.key) is e:
-            del self.entries[e.key]
 
     # ---- reads ------------------------------------------------------------------------------
 
@@ -516,8 +640,9 @@ class Index:
         return len(run), exists, [e.replica for e in run] if with_locations else []  # type: ignore[misc]
 
     def acquire(self, packed_keys: bytes, ttl_s: float = 0.0) -> AcquireResult:
-        """Leases the leading run of available keys: none of them is evicted or freed until the
-        lease is released or expires. A run of 0 takes no lease (lease id 0)."""
+        """Leases the leading run of available keys: none of their read replicas is evicted or
+        freed until the lease is released or expires. A run of 0 takes no lease (lease id 0).
+        Blocks served from SSD are queued for promotion to DRAM."""
         keys = self._keys(packed_keys)
         ttl = self._timeout(ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s, "lease ttl")
         run = self._run(keys)
@@ -527,21 +652,23 @@ class Index:
         if not run:
             return AcquireResult(0, 0, [], ttl)
         reps = []
+        nbytes = 0
         for e in run:
             rep = e.replica
             assert rep is not None
-            self._lease(rep)
-            self.counters["hit_bytes"] += rep.length
+            if rep.leases == 0:
+                rep.segment.leased += 1
+                rep.segment.lru.pop(e.key, None)
+            rep.leases += 1
+            nbytes += rep.length
+            if rep.segment.spec.tier != Tier.DRAM:
+                self.counters["ssd_hit_keys"] += 1
+                self.promote_queue[e.key] = None
             reps.append(rep)
+        self.counters["hit_bytes"] += nbytes
         lease_id = next(self._lease_ids)
         self.leases[lease_id] = Lease(lease_id, self.clock.now() + ttl, reps)
         return AcquireResult(len(run), lease_id, reps, ttl)
-
-    def _lease(self, rep: Replica) -> None:
-        if rep.leases == 0:
-            rep.segment.leased += 1
-            rep.segment.lru.pop(rep.entry.key, None)
-        rep.leases += 1
 
     def _unlease(self, rep: Replica) -> None:
         rep.leases -= 1
@@ -551,7 +678,7 @@ class Index:
         if not rep.live:
             rep.segment.alloc.release(rep.offset, rep.size)
             return
-        if not rep.entry.pinned:
+        if rep.evictable():
             rep.segment.lru[rep.entry.key] = rep
 
     def release(self, lease_id: int, corrupt: Iterable[int] = ()) -> None:
@@ -573,6 +700,118 @@ class Index:
         for rep in reversed(lease.replicas):
             self._unlease(rep)
 
+    # ---- tier moves -------------------------------------------------------------------------
+
+    def plan_moves(self, max_bytes: int = 64 << 20) -> dict[str, list[Move]]:
+        """Plans demotions (DRAM above its high watermark: coldest replicas without an SSD copy
+        go to SSD) and promotions (blocks recently read from SSD come back to DRAM), per daemon.
+
+        Each move leases its source and reserves its target; the caller has the daemon copy
+        the bytes and then calls :meth:`finish_move`. Nothing becomes visible before that.
+        """
+        plans: dict[str, list[Move]] = {}
+        for d in self.daemons.values():
+            dram, ssd = d.tier(Tier.DRAM), d.tier(Tier.SSD)
+            if dram is None or ssd is None:
+                continue
+            moves = self._plan_demotions(dram, ssd, max_bytes)
+            if moves:
+                plans.setdefault(d.spec.daemon_id, []).extend(moves)
+        budget = max_bytes
+        while self.promote_queue and budget > 0:
+            key = next(iter(self.promote_queue))
+            del self.promote_queue[key]
+            e = self.entries.get(key)
+            if e is None or not e.complete or e.moving or e.on(Tier.DRAM) is not None:
+                continue
+            src = e.on(Tier.SSD)
+            if src is None or not src.ready:
+                continue
+            dram = src.segment.daemon.tier(Tier.DRAM)
+            if dram is None:
+                continue
+            if (
+                dram.alloc.used + extent_size(src.length, dram.align)
+                > dram.alloc.capacity * self.limits.dram_low_watermark
+            ):
+                continue  # promote into free room only, never at the cost of demotions
+            off = dram.alloc.alloc(extent_size(src.length, dram.align))
+            if off is None:
+                continue
+            mv = self._start_move(e, src, dram, off, demote=False)
+            plans.setdefault(dram.daemon.spec.daemon_id, []).append(mv)
+            budget -= src.length
+        return plans
+
+    def _plan_demotions(self, dram: Segment, ssd: Segment, max_bytes: int) -> list[Move]:
+        cap = dram.alloc.capacity
+        if dram.alloc.used <= cap * self.limits.dram_high_watermark:
+            return []
+        goal = dram.alloc.used - int(cap * self.limits.dram_low_watermark)
+        moves: list[Move] = []
+        planned = 0
+        for rep in list(dram.lru.values()):
+            if planned >= min(goal, max_bytes):
+                break
+            e = rep.entry
+            if e.moving:
+                continue
+            if e.on(Tier.SSD) is not None:  # already has an SSD copy: just drop this one
+                planned += rep.size
+                self.counters["dropped_clean"] += 1
+                self._drop_replica(rep)
+                continue
+            size = extent_size(rep.length, ssd.align)
+            off = ssd.alloc.alloc(size)
+            while off is None:
+                victim = next((r for r in ssd.lru.values() if r.entry is not e), None)
+                if victim is None:
+                    break
+                self._evict(victim)
+                off = ssd.alloc.alloc(size)
+            if off is None:
+                break  # SSD full of leased / pinned / in-flight blocks
+            moves.append(self._start_move(e, rep, ssd, off, demote=True))
+            planned += rep.size
+        return moves
+
+    def _start_move(self, e: Entry, src: Replica, seg: Segment, offset: int, demote: bool) -> Move:
+        if src.leases == 0:
+            src.segment.leased += 1
+            src.segment.lru.pop(e.key, None)
+        src.leases += 1
+        dst = self._add_replica(e, seg, offset, extent_size(src.length, seg.align), src.length)
+        e.moving = True
+        mv = Move(next(self._move_ids), src, dst, demote)
+        self.moves[mv.move_id] = mv
+        return mv
+
+    def finish_move(self, move_id: int, ok: bool, stored_size: int = 0) -> None:
+        """Completes a move after the daemon copied the bytes (``ok``) or failed to. On success
+        the target becomes ready first; a demotion's source is freed only after that. A target
+        stored in fewer bytes (compressed) gives back the rest of its extent."""
+        mv = self.moves.pop(move_id, None)
+        if mv is None:
+            return
+        e, src, dst = mv.src.entry, mv.src, mv.dst
+        e.moving = False
+        if ok and src.live and dst.live:
+            if 0 < stored_size < dst.size and stored_size % dst.segment.align == 0:
+                dst.segment.alloc.release(dst.offset + stored_size, dst.size - stored_size)
+                dst.size = stored_size
+            self._make_ready(dst, src.checksum)
+            kind = "demoted" if mv.demote else "promoted"
+            self.counters[kind] += 1
+            self.counters[f"{kind}_bytes"] += src.length
+            self._unlease(src)
+            if mv.demote:
+                self._drop_replica(src)
+            return
+        self.counters["moves_failed"] += 1
+        if dst.live:
+            self._drop_replica(dst)
+        self._unlease(src)
+
     # ---- management -------------------------------------------------------------------------
 
     def remove(self, packed_keys: bytes) -> int:
@@ -580,8 +819,9 @@ class Index:
         n = 0
         for k in keys:
             e = self.entries.get(k)
-            if e is not None and e.complete and e.replica is not None:
-                self._drop_replica(e.replica)
+            if e is not None and e.complete:
+                for r in list(e.replicas):
+                    self._drop_replica(r)
                 n += 1
         self.counters["removed"] += n
         return n
@@ -591,51 +831,31 @@ class Index:
         n = 0
         for k in keys:
             e = self.entries.get(k)
-            if e is None or not e.complete or e.replica is None or e.pinned == pinned:
+            if e is None or not e.complete or e.pinned == pinned:
                 continue
             e.pinned = pinned
-            rep = e.replica
-            if pinned:
-                rep.segment.pinned += 1
-                rep.segment.lru.pop(k, None)
-            else:
-                rep.segment.pinned -= 1
-                if rep.leases == 0:
-                    rep.segment.lru[k] = rep
+            for rep in e.replicas:
+                if pinned:
+                    rep.segment.pinned += 1
+                    rep.segment.lru.pop(k, None)
+                else:
+                    rep.segment.pinned -= 1
+                    if rep.evictable():
+                        rep.segment.lru[k] = rep
             n += 1
         return n
-
-    def _drop_replica(self, rep: Replica, free: bool = True) -> None:
-        """Removes a COMPLETE replica from the index. Its extent is freed now, or when its last
-        lease ends; ``free=False`` (daemon lost) forgets the space along with the daemon."""
-        e = rep.entry
-        seg = rep.segment
-        if not rep.live:
-            return
-        rep.live = False
-        seg.lru.pop(e.key, None)
-        seg.blocks -= 1
-        if e.pinned:
-            seg.pinned -= 1
-            e.pinned = False
-        if e.replica is rep:
-            e.replica = None
-        if self.entries.get(e.key) is e:
-            del self.entries[e.key]
-        if free:
-            seg.daemon.invalidations.append((seg.spec.segment_id, e.key, rep.offset))
-            if rep.leases == 0:
-                seg.alloc.release(rep.offset, rep.size)
 
     def _touch_chain(self, keys: list[bytes]) -> None:
         for k in reversed(keys):
             e = self.entries.get(k)
-            if e is not None and e.complete and e.replica is not None:
-                lru = e.replica.segment.lru
+            if e is None or not e.complete:
+                continue
+            for rep in e.replicas:
+                lru = rep.segment.lru
                 if k in lru:
                     lru.move_to_end(k)
-                elif e.replica.leases == 0 and not e.pinned:
-                    lru[k] = e.replica
+                elif rep.evictable():
+                    lru[k] = rep
 
     # ---- time -------------------------------------------------------------------------------
 
@@ -661,24 +881,33 @@ class Index:
 
     def check_integrity(self) -> None:
         """Asserts the accounting: every live replica is in exactly one place, every segment's
-        used bytes equal its replicas' extents (plus freed-but-leased ones), LRU holds only
-        evictable replicas."""
+        used bytes equal its replicas' extents (plus freed-but-leased ones), LRU holds exactly
+        the evictable replicas, a complete entry has a ready replica."""
         per_seg: dict[int, int] = {}
         blocks: dict[int, int] = {}
+        pinned: dict[int, int] = {}
         for key, e in self.entries.items():
             assert e.key == key
-            rep = e.replica
-            assert rep is not None and rep.live, f"entry {key.hex()} has no live replica"
-            seg = rep.segment
-            assert seg.daemon.spec.daemon_id in self.daemons
-            per_seg[id(seg)] = per_seg.get(id(seg), 0) + rep.size
-            blocks[id(seg)] = blocks.get(id(seg), 0) + 1
-            in_lru = key in seg.lru
-            should = e.complete and rep.leases == 0 and not e.pinned
-            assert in_lru == should, f"entry {key.hex()}: in LRU {in_lru}, evictable {should}"
+            assert e.replicas, f"entry {key.hex()} has no replica"
+            if e.complete:
+                assert any(r.ready for r in e.replicas), f"complete entry {key.hex()} has no ready replica"
+            tiers = [r.segment.spec.tier for r in e.replicas]
+            assert len(tiers) == len(set(tiers)), f"entry {key.hex()} has two replicas on one tier"
+            for rep in e.replicas:
+                assert rep.live and rep.entry is e
+                seg = rep.segment
+                assert seg.daemon.spec.daemon_id in self.daemons
+                per_seg[id(seg)] = per_seg.get(id(seg), 0) + rep.size
+                blocks[id(seg)] = blocks.get(id(seg), 0) + 1
+                if e.pinned:
+                    pinned[id(seg)] = pinned.get(id(seg), 0) + 1
+                in_lru = seg.lru.get(key) is rep
+                assert in_lru == rep.evictable(), f"entry {key.hex()}: in LRU {in_lru}, evictable {rep.evictable()}"
         for d in self.daemons.values():
             for seg in d.segments.values():
                 seg.alloc.check_integrity()
+                for key, rep in seg.lru.items():
+                    assert rep.live and rep.segment is seg and rep.entry.key == key
                 # Dropped replicas still leased keep their extent until the lease ends (count once).
                 extra = sum(
                     {
@@ -695,3 +924,4 @@ class Index:
                 assert seg.blocks == blocks.get(id(seg), 0), (
                     f"segment block count {seg.blocks} != {blocks.get(id(seg), 0)}"
                 )
+                assert seg.pinned == pinned.get(id(seg), 0), f"segment pinned {seg.pinned} != {pinned.get(id(seg), 0)}"

@@ -26,7 +26,7 @@ from kvstore.meta.index import (
     SegmentSpec,
     Tier,
 )
-from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
+from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc, meta_pb2, meta_pb2_grpc
 from kvstore.wire import U8, U32, U64, locations_to_pb, pack, unpack
 
 log = logging.getLogger("kvstore.meta")
@@ -80,8 +80,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             lens = unpack(inv.length, U64, "inventory length", n)
             sums = unpack(inv.checksum, U64, "inventory checksum", n)
             seqs = unpack(inv.seq, U64, "inventory seq", n) if inv.seq else list(range(n))
-            items = sorted(zip(seqs, keys, offs, lens, sums))
-            inventory.setdefault(inv.segment_id, []).extend(InventoryItem(k, o, ln, c) for _, k, o, ln, c in items)
+            sizes = unpack(inv.size, U64, "inventory size", n) if inv.size else [0] * n
+            items = sorted(zip(seqs, keys, offs, lens, sums, sizes))
+            inventory.setdefault(inv.segment_id, []).extend(
+                InventoryItem(k, o, ln, c, sz) for _, k, o, ln, c, sz in items
+            )
         rejected = self.index.register_daemon(spec, inventory)
         adopted = sum(len(v) for v in inventory.values()) - rejected
         log.info("event=daemon_registered daemon=%s blocks=%d rejected=%d", spec.daemon_id, adopted, rejected)
@@ -229,11 +232,15 @@ class MetaServer:
             lease_ttl_s=cfg.lease_ttl_s,
             daemon_ttl_s=cfg.daemon_ttl_s,
             heartbeat_interval_s=cfg.heartbeat_interval_s,
+            dram_high_watermark=cfg.dram_high_watermark,
+            dram_low_watermark=cfg.dram_low_watermark,
         )
         self.index = Index(limits, clock or Clock())
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._sweeper: asyncio.Task | None = None
+        self._tierer: asyncio.Task | None = None
+        self._daemon_stubs: dict[str, tuple[str, grpc.aio.Channel, daemon_pb2_grpc.DaemonControlStub]] = {}
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -251,6 +258,7 @@ class MetaServer:
             if asyncio.iscoroutine(r):
                 await r
         self._sweeper = asyncio.create_task(self._sweep())
+        self._tierer = asyncio.create_task(self._tier_loop())
         log.info("event=meta_started listen=%s port=%d", self.cfg.listen, self.port)
         return self.port
 
@@ -261,7 +269,55 @@ class MetaServer:
             if any(out.values()):
                 log.info("event=expired daemons=%d puts=%d leases=%d", out["daemons"], out["puts"], out["leases"])
 
+    def _daemon_stub(self, daemon_id: str, addr: str) -> daemon_pb2_grpc.DaemonControlStub:
+        cached = self._daemon_stubs.get(daemon_id)
+        if cached is None or cached[0] != addr:
+            ch = grpc.aio.insecure_channel(addr, options=GRPC_OPTIONS)
+            cached = self._daemon_stubs[daemon_id] = (addr, ch, daemon_pb2_grpc.DaemonControlStub(ch))
+        return cached[2]
+
+    async def _tier_loop(self) -> None:
+        """Plans demotions and promotions and has each daemon carry out its own."""
+        while True:
+            await asyncio.sleep(self.cfg.tier_interval_s)
+            try:
+                plans = self.index.plan_moves(self.cfg.move_batch_bytes)
+                if plans:
+                    await asyncio.gather(*(self._run_moves(did, moves) for did, moves in plans.items()))
+            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+                log.exception("event=tier_loop_error")
+
+    async def _run_moves(self, daemon_id: str, moves: list) -> None:
+        d = self.index.daemons.get(daemon_id)
+        if d is None:
+            for mv in moves:
+                self.index.finish_move(mv.move_id, False)
+            return
+        req = daemon_pb2.MoveRequest(
+            keys=b"".join(mv.src.entry.key for mv in moves),
+            src_segment=pack([mv.src.segment.spec.segment_id for mv in moves], U32),
+            src_offset=pack([mv.src.offset for mv in moves], U64),
+            dst_segment=pack([mv.dst.segment.spec.segment_id for mv in moves], U32),
+            dst_offset=pack([mv.dst.offset for mv in moves], U64),
+            length=pack([mv.src.length for mv in moves], U64),
+            checksum=pack([mv.src.checksum for mv in moves], U64),
+        )
+        try:
+            resp = await self._daemon_stub(daemon_id, d.spec.control_addr).Move(req, timeout=120)
+            ok = unpack(resp.ok, U8, "ok", len(moves))
+            stored = unpack(resp.stored_size, U64, "stored_size", len(moves))
+        except (grpc.aio.AioRpcError, KVStoreError) as e:
+            log.warning("event=moves_failed daemon=%s count=%d reason=%r", daemon_id, len(moves), str(e))
+            ok, stored = [0] * len(moves), [0] * len(moves)
+        for mv, good, size in zip(moves, ok, stored):
+            self.index.finish_move(mv.move_id, bool(good), size)
+        log.debug("event=moves daemon=%s count=%d ok=%d", daemon_id, len(moves), sum(ok))
+
     async def stop(self, grace: float = 0.5) -> None:
+        if self._tierer:
+            self._tierer.cancel()
+        for _addr, ch, _stub in self._daemon_stubs.values():
+            await ch.close()
         if self._sweeper:
             self._sweeper.cancel()
         if self.server:

@@ -5,8 +5,9 @@ A request is a head, ``count`` entries, then (WRITE only) the payloads in entry 
     head  = magic "KVD1" | version u8 | op u8 | flags u16 | request_id u64 | count u32     (20 B)
     entry = key 16s | segment_id u32 | reserved u32 | offset u64 | length u64 | checksum u64 (48 B)
 
-A response is a head, a message (non-empty only on a frame error), one status byte per entry,
-then (READ only) the payloads of the entries whose status is OK, in entry order::
+A WRITE response is a head, a message (non-empty only on a frame error), then one status byte
+per entry. A READ response is a head, a message, then per entry in order its status byte,
+followed by its payload when the status is OK (so the daemon can stream from SSD)::
 
     head  = magic "KVD1" | status u8 | op u8 | flags u16 | request_id u64 | count u32 | msg_len u32 (24 B)
 
@@ -44,7 +45,8 @@ class FrameStatus(IntEnum):
 class EntryStatus(IntEnum):
     OK = 0
     MISMATCH = 1  # the extent no longer holds this key (evicted, overwritten)
-    CHECKSUM = 2  # written bytes do not match the checksum sent with them
+    CHECKSUM = 2  # bytes do not match their checksum (written: as sent; read: as stored)
+    IO_ERROR = 3
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:

@@ -54,6 +54,7 @@ class TcpTransport:
             self._idle.setdefault(addr, []).append(s)
 
     def _request(self, addr: str, op: Op, entries: list[bytes], payloads: Sequence[np.ndarray] = ()):
+        """Sends one frame; returns the socket and (WRITE) the per-entry statuses."""
         s = self._connect(addr)
         req_id = next(self._ids)
         try:
@@ -71,9 +72,13 @@ class TcpTransport:
             if status != FrameStatus.OK:
                 s.close()
                 raise InvalidArgument(f"data port {addr} refused the frame: {(msg or b'').decode(errors='replace')}")
-            statuses = recv_bytes(s, count) if count else b""
-            if count != len(entries) or statuses is None:
+            if count != len(entries):
                 raise Unavailable(f"data port {addr} answered {count} statuses for {len(entries)} entries")
+            if op == Op.READ:
+                return s, b""
+            statuses = recv_bytes(s, count) if count else b""
+            if statuses is None:
+                raise Unavailable(f"data port {addr} closed the connection")
             return s, statuses
         except OSError as e:
             s.close()
@@ -89,11 +94,14 @@ class TcpTransport:
         if the daemon cannot be reached (the caller turns that into misses).
         """
         entries = [ENTRY.pack(k, seg, 0, off, n, c) for (k, seg, off, n, c) in items]
-        s, statuses = self._request(addr, Op.READ, entries)
+        s, _ = self._request(addr, Op.READ, entries)
         ok: list[bool] = []
+        status = bytearray(1)
         try:
-            for (_k, _s, _o, _n, c), dest, st in zip(items, dests, statuses):
-                if st != EntryStatus.OK:
+            for (_k, _s, _o, _n, c), dest in zip(items, dests):
+                if not recv_exact(s, memoryview(status)):
+                    raise ConnectionError("data port closed mid-response")
+                if status[0] != EntryStatus.OK:
                     ok.append(False)
                     continue
                 recv_exact(s, memoryview(dest))

@@ -65,17 +65,19 @@ class Locations(_message.Message):
     def __init__(self, rows: _Optional[bytes] = ..., segments: _Optional[_Iterable[_Union[SegmentRef, _Mapping]]] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("segment_id", "keys", "offset", "length", "checksum", "seq")
+    __slots__ = ("segment_id", "keys", "offset", "length", "checksum", "seq", "size")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     keys: bytes
     offset: bytes
     length: bytes
     checksum: bytes
     seq: bytes
-    def __init__(self, segment_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., seq: _Optional[bytes] = ...) -> None: ...
+    size: bytes
+    def __init__(self, segment_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., size: _Optional[bytes] = ...) -> None: ...

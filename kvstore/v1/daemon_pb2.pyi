@@ -7,6 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MoveRequest(_message.Message):
+    __slots__ = ("keys", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SRC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    src_segment: bytes
+    src_offset: bytes
+    dst_segment: bytes
+    dst_offset: bytes
+    length: bytes
+    checksum: bytes
+    def __init__(self, keys: _Optional[bytes] = ..., src_segment: _Optional[bytes] = ..., src_offset: _Optional[bytes] = ..., dst_segment: _Optional[bytes] = ..., dst_offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+
+class MoveResponse(_message.Message):
+    __slots__ = ("ok", "stored_size")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    STORED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ok: bytes
+    stored_size: bytes
+    def __init__(self, ok: _Optional[bytes] = ..., stored_size: _Optional[bytes] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

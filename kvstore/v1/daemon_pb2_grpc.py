@@ -45,6 +45,11 @@ class DaemonControlStub:
                 request_serializer=kvstore_dot_v1_dot_daemon__pb2.InventoryRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_daemon__pb2.InventoryResponse.FromString,
                 _registered_method=True)
+        self.Move = channel.unary_unary(
+                '/kvstore.v1.DaemonControl/Move',
+                request_serializer=kvstore_dot_v1_dot_daemon__pb2.MoveRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_daemon__pb2.MoveResponse.FromString,
+                _registered_method=True)
 
 
 class DaemonControlServicer:
@@ -63,6 +68,14 @@ class DaemonControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Move(self, request, context):
+        """Copies blocks between this daemon's segments (tier moves directed by the metadata
+        service): each source is verified before its copy is written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_DaemonControlServicer_to_server(servicer, server):
                     servicer.GetInventory,
                     request_deserializer=kvstore_dot_v1_dot_daemon__pb2.InventoryRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_daemon__pb2.InventoryResponse.SerializeToString,
+            ),
+            'Move': grpc.unary_unary_rpc_method_handler(
+                    servicer.Move,
+                    request_deserializer=kvstore_dot_v1_dot_daemon__pb2.MoveRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_daemon__pb2.MoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class DaemonControl:
             '/kvstore.v1.DaemonControl/GetInventory',
             kvstore_dot_v1_dot_daemon__pb2.InventoryRequest.SerializeToString,
             kvstore_dot_v1_dot_daemon__pb2.InventoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Move(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.DaemonControl/Move',
+            kvstore_dot_v1_dot_daemon__pb2.MoveRequest.SerializeToString,
+            kvstore_dot_v1_dot_daemon__pb2.MoveResponse.FromString,
             options,
             channel_credentials,
             insecure,

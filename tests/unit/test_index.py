@@ -382,13 +382,14 @@ def test_placement_prefers_same_host_then_most_free():
     idx.check_integrity()
 
 
-def test_placement_uses_only_dram_segments():
+def test_placement_prefers_dram_and_falls_back_to_ssd():
     clock = FakeClock()
     idx = Index(IndexLimits(), clock)
-    spec = DaemonSpec("d", "h", "x", "y", (SegmentSpec(5, Tier.SSD, 64 * ALIGN),))
+    spec = DaemonSpec("d", "h", "x", "y", (SegmentSpec(5, Tier.SSD, 64 * 4096),))
     idx.register_daemon(spec, {})
-    with pytest.raises(ResourceExhausted):
-        idx.put_start(pk(0), [BLK])
+    r = idx.put_start(pk(0), [BLK])
+    assert L(r.placements[0]).tier == Tier.SSD and L(r.placements[0]).offset % 4096 == 0
+    idx.put_abort(r.put_id)
     idx.register_daemon(dspec("d", slots=2, extra=(SegmentSpec(5, Tier.SSD, 64 * ALIGN),)), {})
     r = idx.put_start(pk(0), [BLK])
     assert L(r.placements[0]).segment_id == SEG and L(r.placements[0]).tier == Tier.DRAM

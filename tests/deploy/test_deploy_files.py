@@ -1,0 +1,466 @@
+"""The files under deploy/: they parse, their configurations load, and every command they run is
+one the ``kvstore`` CLI has, with flags it accepts and settings that exist.
+
+No docker, kubectl or systemd is needed: the files are read, not applied. The compose health
+check, being Python, is run against a real metadata service and daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvstore import cli
+from kvstore.config import Config, load_config, parse_size
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+CONFIGS = DEPLOY / "configs"
+COMPOSE = DEPLOY / "docker" / "compose.yaml"
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+K8S = DEPLOY / "k8s"
+SYSTEMD = DEPLOY / "systemd"
+
+YAML_FILES = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
+CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
+UNIT_FILES = sorted(SYSTEMD.glob("*.service"))
+
+
+def _rel(p: Path) -> str:
+    return str(p.relative_to(REPO))
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    for action in cli._parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("kvstore CLI has no subcommands")
+
+
+def _parse(argv: list[str], where: str) -> argparse.Namespace:
+    """Parses ``kvstore argv`` as the CLI would; a test failure naming ``where`` if it refuses."""
+    assert argv, f"{where}: empty command"
+    assert argv[0] in _subcommands(), f"{where}: {argv[0]!r} is not a kvstore subcommand ({', '.join(_subcommands())})"
+    try:
+        return cli._parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: kvstore refuses the arguments {argv}")
+
+
+def _effective_config(
+    argv: list[str], env: dict[str, str], config_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> Config:
+    """The configuration ``kvstore argv`` would run with, given its environment; ``--config`` paths
+    are looked up by file name in ``config_dir`` (where the deployment gets them from)."""
+    ns = _parse(argv, where)
+    if ns.config:
+        local = config_dir / Path(ns.config).name
+        assert local.is_file(), f"{where}: --config {ns.config} has no source {_rel(local)}"
+        ns.config = str(local)
+    for name in list(os.environ):
+        if name.startswith("KVSTORE_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    return cli._config(ns)
+
+
+def _docker_size(value: str | int) -> int:
+    """Compose sizes (shm_size): b, k, m, g suffixes, powers of 1024."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([bkmg]?)b?\s*", str(value).lower())
+    assert m, f"cannot read compose size {value!r}"
+    return int(float(m.group(1)) * {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)])
+
+
+def _port(addr: str) -> int:
+    return int(addr.rpartition(":")[2])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- every YAML file ----------------------------------------------------------------------------
+
+
+def test_deploy_has_the_expected_yaml_files():
+    names = {_rel(p) for p in YAML_FILES}
+    assert "deploy/docker/compose.yaml" in names
+    assert {"single-node.yaml", "cluster-meta.yaml", "cluster-daemon.yaml"} <= {p.name for p in CONFIG_FILES}
+    assert len(list(K8S.glob("*.yaml"))) >= 3
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=_rel)
+def test_yaml_file_parses(path: Path):
+    docs = list(yaml.safe_load_all(path.read_text()))
+    assert docs, f"{_rel(path)} has no documents"
+    assert all(isinstance(d, dict) for d in docs), f"{_rel(path)}: every document should be a mapping"
+
+
+# ---- deploy/configs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=_rel)
+def test_config_loads(path: Path):
+    cfg = load_config(path, env={})
+    assert isinstance(cfg, Config)
+    assert not cfg.meta.allow_clock_skew, "allow_clock_skew is for tests only"
+    sections = yaml.safe_load(path.read_text())
+    assert set(sections) <= {"meta", "daemon", "client", "log"}
+
+
+def test_config_roles():
+    single = load_config(CONFIGS / "single-node.yaml", env={})
+    assert single.meta.listen.startswith("127.0.0.1:") and _port(single.client.meta) == _port(single.meta.listen)
+
+    meta = load_config(CONFIGS / "cluster-meta.yaml", env={})
+    assert meta.meta.listen.rpartition(":")[0] in ("0.0.0.0", "[::]"), "a cluster's metadata service listens on all"
+
+    daemon = load_config(CONFIGS / "cluster-daemon.yaml", env={})
+    assert _port(daemon.daemon.meta) == _port(meta.meta.listen)
+    assert daemon.daemon.data_port and daemon.daemon.control_port, "cluster daemons use fixed ports"
+    assert daemon.daemon.data_port != daemon.daemon.control_port
+    assert daemon.daemon.shm_dir == "/dev/shm"
+
+
+# ---- docker -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_base_install_and_entrypoint():
+    ins = _dockerfile_instructions()
+    assert [r for op, r in ins if op == "FROM"] == ["python:3.11-slim"]
+    runs = " ".join(r for op, r in ins if op == "RUN")
+    assert re.search(r"pip install (\S+ )*\.(\s|$)", runs), "the image installs the package from the context root"
+    assert "torch" not in runs.lower(), "the store needs no torch"
+    assert [r for op, r in ins if op == "ENTRYPOINT"] == ['["kvstore"]']
+    users = [r for op, r in ins if op == "USER"]
+    assert users and not users[-1].startswith(("root", "0")), "the image runs unprivileged"
+
+
+def test_dockerfile_copies_exist_and_are_not_ignored():
+    ignored = {
+        line.strip().rstrip("/")
+        for line in (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    copies = [r for op, r in _dockerfile_instructions() if op == "COPY"]
+    assert copies
+    for rest in copies:
+        *sources, _dest = [a for a in rest.split() if not a.startswith("--")]
+        for src in sources:
+            assert (REPO / src).exists(), f"Dockerfile copies {src}, which is not in the repository"
+            assert src.rstrip("/").split("/")[0] not in ignored, f"{src} is excluded from the build context"
+    # The compose files read their configs from /etc/kvstore in the image.
+    assert any(r.split()[-2:] == ["deploy/configs/", "/etc/kvstore/"] for r in copies)
+
+
+def test_compose_services_run_existing_subcommands(compose):
+    services = compose["services"]
+    assert services
+    used = set()
+    for name, svc in services.items():
+        assert svc.get("image") or svc.get("build"), f"service {name} has no image"
+        assert isinstance(svc["command"], list), f"service {name}: command should be a list (exec form)"
+        used.add(_parse(svc["command"], f"compose service {name}").cmd)
+    assert {"meta", "daemon"} <= used
+
+
+def test_compose_one_meta_two_daemons_with_health_checks(compose, monkeypatch):
+    services = compose["services"]
+    build = services[next(iter(services))].get("build")
+    assert build and (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
+
+    metas = {n: s for n, s in services.items() if s["command"][0] == "meta"}
+    daemons = {n: s for n, s in services.items() if s["command"][0] == "daemon"}
+    assert len(metas) == 1 and len(daemons) == 2
+    (meta_name, meta_svc), = metas.items()  # fmt: skip
+    meta_cfg = _effective_config(meta_svc["command"], meta_svc.get("environment", {}), CONFIGS, monkeypatch, meta_name)
+    meta_port = _port(meta_cfg.meta.listen)
+    assert meta_cfg.meta.listen.rpartition(":")[0] in ("0.0.0.0", "[::]")
+
+    check = meta_svc["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python", "-c"] and _port(check[-1]) == meta_port
+
+    ids = set()
+    for name, svc in daemons.items():
+        cfg = _effective_config(svc["command"], svc.get("environment", {}), CONFIGS, monkeypatch, name)
+        d = cfg.daemon
+        meta_host, _, port = d.meta.rpartition(":")
+        assert meta_host == meta_name and int(port) == meta_port, f"{name}: daemon.meta {d.meta}"
+        assert d.host == svc["hostname"], f"{name}: daemon.host must be the name it is reachable by"
+        assert d.daemon_id and d.daemon_id not in ids, f"{name}: needs its own stable daemon_id"
+        ids.add(d.daemon_id)
+        assert d.data_port and d.control_port
+        assert _docker_size(svc["shm_size"]) > d.dram_bytes, f"{name}: shm_size must hold daemon.dram_bytes"
+        assert svc["depends_on"][meta_name]["condition"] == "service_healthy"
+        check = svc["healthcheck"]["test"]
+        assert check[:3] == ["CMD", "python", "-c"] and check[-1] == f"{d.host}:{d.control_port}"
+        for key in ("interval", "timeout", "retries"):
+            assert key in svc["healthcheck"]
+
+    for name, svc in services.items():
+        if svc["command"][0] == "stat":
+            cfg = _effective_config(svc["command"], svc.get("environment", {}), CONFIGS, monkeypatch, name)
+            assert cfg.client.meta == f"{meta_name}:{meta_port}"
+
+
+def _health(script: str, addr: str) -> int:
+    return subprocess.run([sys.executable, "-c", script, addr], capture_output=True, timeout=60).returncode
+
+
+def test_compose_health_check_against_real_servers(compose, cluster):
+    services = compose["services"]
+    scripts = {svc["command"][0]: svc["healthcheck"]["test"][3] for svc in services.values() if "healthcheck" in svc}
+    assert set(scripts) == {"meta", "daemon"}
+    cluster.start_meta()
+    daemon = cluster.start_daemon()
+    assert _health(scripts["meta"], cluster.meta_addr) == 0
+    assert _health(scripts["daemon"], f"127.0.0.1:{daemon.info['control_port']}") == 0
+    assert _health(scripts["meta"], f"127.0.0.1:{_free_port()}") != 0, "nothing listening must be unhealthy"
+
+
+# ---- kubernetes ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def k8s() -> list[dict]:
+    return [d for p in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def _one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _container(workload: dict) -> dict:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def _k8s_configs(docs: list[dict], tmp_path: Path) -> Path:
+    """Writes the ConfigMap's files to ``tmp_path`` (what pods see at its mount path)."""
+    for name, text in _one(docs, "ConfigMap")["data"].items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def _k8s_cfg(docs, kind: str, tmp_path: Path, monkeypatch, placeholders: dict[str, str]) -> tuple[dict, Config]:
+    workload = _one(docs, kind)
+    c = _container(workload)
+    env = {}
+    for e in c.get("env", []):
+        if e["name"].startswith("KVSTORE_"):
+            env[e["name"]] = e.get("value", placeholders.get(e["name"], "x"))
+    cfg = _effective_config(c["args"], env, _k8s_configs(docs, tmp_path), monkeypatch, f"{kind} {c['name']}")
+    mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+    config_arg = c["args"][c["args"].index("--config") + 1]
+    vol = mounts.get(str(Path(config_arg).parent))
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    assert vol and volumes[vol]["configMap"]["name"] == _one(docs, "ConfigMap")["metadata"]["name"]
+    return workload, cfg
+
+
+def test_k8s_kinds_and_metadata(k8s):
+    kinds = [d["kind"] for d in k8s]
+    assert {"Namespace", "ConfigMap", "Deployment", "Service", "DaemonSet"} <= set(kinds)
+    ns = _one(k8s, "Namespace")["metadata"]["name"]
+    for d in k8s:
+        assert d.get("apiVersion") and d["metadata"].get("name"), d
+        if d["kind"] != "Namespace":
+            assert d["metadata"].get("namespace") == ns, f"{d['kind']} {d['metadata']['name']} outside {ns}"
+    # Applied in file-name order: the namespace must come first.
+    first = yaml.safe_load(sorted(K8S.glob("*.yaml"))[0].read_text())
+    assert first["kind"] == "Namespace"
+
+
+def test_k8s_configmap_configs_load(k8s, tmp_path):
+    cm = _one(k8s, "ConfigMap")
+    assert {"meta.yaml", "daemon.yaml"} <= set(cm["data"])
+    for name, text in cm["data"].items():
+        (tmp_path / name).write_text(text)
+        load_config(tmp_path / name, env={})
+
+
+def test_k8s_meta_deployment_and_service(k8s, tmp_path, monkeypatch):
+    dep, cfg = _k8s_cfg(k8s, "Deployment", tmp_path, monkeypatch, {})
+    c = _container(dep)
+    assert c["args"][0] == "meta"
+    assert dep["spec"]["replicas"] == 1, "one metadata service per cluster"
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    port = _port(cfg.meta.listen)
+    assert cfg.meta.listen.rpartition(":")[0] in ("0.0.0.0", "[::]")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == port, f"{probe} must use the gRPC health service on {port}"
+        assert c[probe]["grpc"].get("service", "") in ("", "kvstore.v1.MetaService")
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert dep["spec"]["template"]["spec"].get("enableServiceLinks") is False
+
+    svc = _one(k8s, "Service")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (sp,) = svc["spec"]["ports"]
+    named = {p.get("name"): p["containerPort"] for p in c["ports"]}
+    assert named.get(sp["targetPort"], sp["targetPort"]) == port
+
+    # Daemons and clients find it by the Service's name.
+    daemon_cfg = load_config(tmp_path / "daemon.yaml", env={})
+    assert daemon_cfg.daemon.meta == f"{svc['metadata']['name']}:{sp['port']}"
+    client_cfg = load_config(tmp_path / "client.yaml", env={})
+    assert client_cfg.client.meta.split(".")[0].split(":")[0] == svc["metadata"]["name"]
+    assert _port(client_cfg.client.meta) == sp["port"]
+
+
+def test_k8s_daemonset(k8s, tmp_path, monkeypatch):
+    placeholders = {"KVSTORE_DAEMON__HOST": "10.1.2.3", "KVSTORE_DAEMON__DAEMON_ID": "node-a"}
+    ds, cfg = _k8s_cfg(k8s, "DaemonSet", tmp_path, monkeypatch, placeholders)
+    c = _container(ds)
+    pod = ds["spec"]["template"]["spec"]
+    assert c["args"][0] == "daemon"
+    assert cfg.daemon.host == "10.1.2.3" and cfg.daemon.daemon_id == "node-a"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["KVSTORE_DAEMON__HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "fieldRef" in env["KVSTORE_DAEMON__DAEMON_ID"]["valueFrom"], "a stable id from the downward API"
+    assert pod.get("enableServiceLinks") is False
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+    shm = mounts[cfg.daemon.shm_dir]["emptyDir"]
+    assert cfg.daemon.shm_dir == "/dev/shm"
+    assert shm["medium"] == "Memory"
+    assert parse_size(shm["sizeLimit"]) > cfg.daemon.dram_bytes, "the /dev/shm volume must hold the segment"
+    data = mounts[cfg.daemon.data_dir]
+    assert "emptyDir" in data or "hostPath" in data
+
+    res = c["resources"]
+    assert res["requests"]["cpu"] and res["requests"]["memory"]
+    assert parse_size(res["limits"]["memory"]) > parse_size(shm["sizeLimit"]), "shm pages count as container memory"
+
+    ports = {p["containerPort"] for p in c["ports"]}
+    assert {cfg.daemon.data_port, cfg.daemon.control_port} <= ports
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == cfg.daemon.control_port
+
+
+# ---- systemd ------------------------------------------------------------------------------------
+
+
+def _unit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """Sections of a unit file as (key, value) lists: keys such as Environment= repeat."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for raw in re.sub(r"\\\n", " ", path.read_text()).splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+            continue
+        assert current is not None and "=" in line, f"{path.name}: cannot read {raw!r}"
+        key, _, value = line.partition("=")
+        current.append((key.strip(), value.strip()))
+    return sections
+
+
+def _get(section: list[tuple[str, str]], key: str) -> list[str]:
+    return [v for k, v in section if k == key]
+
+
+def test_systemd_has_meta_and_daemon_template():
+    assert {p.name for p in UNIT_FILES} == {"kvstore-meta.service", "kvstore-daemon@.service"}
+
+
+@pytest.mark.parametrize("path", UNIT_FILES, ids=lambda p: p.name)
+def test_systemd_unit(path: Path, monkeypatch):
+    unit = _unit(path)
+    assert {"Unit", "Service", "Install"} <= set(unit)
+    svc = unit["Service"]
+    (exec_start,) = _get(svc, "ExecStart")
+    argv = shlex.split(exec_start)
+    assert argv[0].startswith("/") and argv[0].endswith("/bin/kvstore"), "ExecStart needs the venv's absolute path"
+    ns = _parse(argv[1:], path.name)
+    expected = "daemon" if "@" in path.name else "meta"
+    assert ns.cmd == expected
+    assert _get(svc, "Restart") == ["on-failure"]
+    assert _get(svc, "LimitMEMLOCK"), "LimitMEMLOCK must be set"
+    (user,) = _get(svc, "User")
+    assert user and user not in ("root", "0")
+    assert _get(unit["Install"], "WantedBy")
+
+    env = {}
+    for value in _get(svc, "Environment"):
+        for item in shlex.split(value):
+            k, _, v = item.partition("=")
+            env[k] = v
+    kvstore_env = {k: v for k, v in env.items() if k.startswith("KVSTORE_") and "__" in k}
+    if ns.config and Path(ns.config).name in {p.name for p in CONFIG_FILES}:
+        _effective_config(argv[1:], kvstore_env, CONFIGS, monkeypatch, path.name)
+    else:
+        load_config(env=kvstore_env)  # every KVSTORE_<SECTION>__<KEY> names a real setting
+
+    if expected == "daemon":
+        assert "%i" in exec_start, "each instance gets its own config and data dir"
+        assert _get(svc, "RemoveIPC") == ["no"], "the DRAM segment must survive restarts"
+        assert not _get(svc, "PrivateDevices") and not _get(svc, "PrivateIPC")
+
+
+def test_systemd_user_matches_sysusers():
+    users = {line.split()[1] for line in (SYSTEMD / "kvstore.sysusers.conf").read_text().splitlines()
+             if line.startswith("u ")}  # fmt: skip
+    for path in UNIT_FILES:
+        assert set(_get(_unit(path)["Service"], "User")) <= users
+
+
+# ---- references between files ------------------------------------------------------------------
+
+
+def test_every_path_the_deploy_files_mention_exists():
+    files = [p for p in DEPLOY.rglob("*") if p.is_file()]
+    missing = []
+    for p in files:
+        text = p.read_text()
+        for m in re.finditer(r"(?<![\w/.-])deploy/[\w./@-]*", text):
+            ref = m.group(0).rstrip(".")
+            tail = ref[len("deploy/") :]
+            if "/" not in tail and "." not in tail:
+                continue  # not a path: `kubectl exec deploy/kvstore-meta`
+            if not (REPO / ref).exists():
+                missing.append(f"{_rel(p)}: {ref}")
+    for m in re.finditer(r"\]\(([^)#]+)\)", (DEPLOY / "README.md").read_text()):
+        if not re.match(r"\w+://", m.group(1)) and not (DEPLOY / m.group(1)).exists():
+            missing.append(f"deploy/README.md: link {m.group(1)}")
+    assert not missing, "\n".join(missing)
