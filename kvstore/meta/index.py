@@ -730,11 +730,11 @@ class Index:
             dram = src.segment.daemon.tier(Tier.DRAM)
             if dram is None:
                 continue
-            if (
-                dram.alloc.used + extent_size(src.length, dram.align)
-                > dram.alloc.capacity * self.limits.dram_low_watermark
-            ):
-                continue  # promote into free room only, never at the cost of demotions
+            # Promote into the room above the high watermark (halfway to full): the next round of
+            # demotions then moves the coldest blocks out, and puts keep room in the rest.
+            high = self.limits.dram_high_watermark
+            if dram.alloc.used + extent_size(src.length, dram.align) > dram.alloc.capacity * (high + (1 - high) / 2):
+                continue
             off = dram.alloc.alloc(extent_size(src.length, dram.align))
             if off is None:
                 continue
