@@ -20,7 +20,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 "$VPY" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,bench]"
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,bench,engine]"
 if [ "${KVSTORE_NO_TORCH:-0}" != "1" ] && ! "$VPY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$VPY" -m pip install -q --disable-pip-version-check torch

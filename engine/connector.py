@@ -1,0 +1,207 @@
+"""The store connector: the only seam between the engine and kvstore.
+
+It plugs into the engine's two hooks (``engine.hooks``):
+
+- **load** (before a prefill): look up how long a prefix the store holds (no side effects),
+  decide whether loading it is cheaper than recomputing it, and load it straight into the
+  sequence's blocks of the paged cache. A failed, short or refused load is a shorter hit: the
+  engine computes the rest. Never an error, never wrong KV (every block is checksum-verified by
+  the client before it counts).
+- **save** (after a forward pass completed full blocks): copy the blocks out of the cache
+  (their ids are only valid during the call) and put them in the background, so the request
+  is not held up; ``wait_saved(request_id)`` is there for a prefill worker that must hand a
+  request to a decode worker only once its blocks are in the store.
+
+Load or recompute: loading n blocks costs about ``latency + bytes / bandwidth`` (both measured
+on past loads), recomputing them ``tokens / prefill throughput`` (measured by the worker and fed
+in with :meth:`observe_compute`). Until both are measured, it loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.hooks import LoadRequest, SavedBlocks
+from engine.kv_cache import KVCache
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("engine.connector")
+
+
+class Ewma:
+    __slots__ = ("alpha", "value")
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+@dataclass
+class ConnectorStats:
+    lookups: int = 0
+    tokens_loaded: int = 0
+    blocks_loaded: int = 0
+    load_failures: int = 0
+    loads_skipped: int = 0  # recompute judged cheaper
+    short_loads: int = 0  # fewer blocks arrived than the lookup promised
+    blocks_saved: int = 0
+    saves_dropped: int = 0
+    save_failures: int = 0
+    load_seconds: float = 0.0
+    load_bytes: int = 0
+    per_request: dict = field(default_factory=dict)
+
+
+class StoreConnector:
+    """Connects one engine (its ``kv_cache``) to the store through a synchronous client.
+
+    Thread-safe: hooks run on the engine thread, saves run on a background thread.
+    """
+
+    def __init__(
+        self,
+        client,  # kvstore.SyncKVStoreClient (or anything with lookup / get_into / put)
+        kv_cache: KVCache,
+        policy: str = "auto",
+        max_pending_saves: int = 64,
+    ) -> None:
+        if policy not in ("auto", "always", "never"):
+            raise ValueError(f"connector policy must be auto, always or never, got {policy!r}")
+        self.client = client
+        self.cache = kv_cache
+        self.policy = policy
+        self.block_size = kv_cache.block_size
+        self.block_bytes = kv_cache.block_nbytes
+        self.stats = ConnectorStats()
+        self.bandwidth = Ewma()  # bytes/s of loads, latency excluded
+        self.latency = Ewma()  # seconds of a load's fixed cost (round trips)
+        self.prefill_tps = Ewma()  # tokens/s the engine computes in prefill
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
+        self._pending: deque[Future] = deque()
+        self._by_request: dict[int, list[Future]] = {}
+        self._lock = threading.Lock()
+        self.max_pending_saves = max_pending_saves
+
+    # ---- measurements -----------------------------------------------------------------------
+
+    def observe_compute(self, tokens: int, seconds: float) -> None:
+        """Feeds the prefill throughput the worker measured (tokens computed in ``seconds``)."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_tps.update(tokens / seconds)
+
+    def estimate_load_s(self, blocks: int) -> float | None:
+        if self.bandwidth.value is None or self.latency.value is None:
+            return None
+        return self.latency.value + blocks * self.block_bytes / self.bandwidth.value
+
+    def estimate_compute_s(self, tokens: int) -> float | None:
+        return None if self.prefill_tps.value is None else tokens / self.prefill_tps.value
+
+    def worth_loading(self, blocks: int) -> bool:
+        if self.policy != "auto":
+            return self.policy == "always"
+        t_load, t_compute = self.estimate_load_s(blocks), self.estimate_compute_s(blocks * self.block_size)
+        return t_load is None or t_compute is None or t_load < t_compute
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    def load(self, req: LoadRequest) -> int:
+        """The engine's load hook. Returns leading tokens present (never raises)."""
+        bs = self.block_size
+        first = req.num_cached_tokens // bs
+        last = req.max_tokens // bs  # exclusive: blocks a load may fill
+        if self.policy == "never" or last <= first:
+            return req.num_cached_tokens
+        keys = list(req.keys[:last])
+        try:
+            self.stats.lookups += 1
+            hit = self.client.lookup(keys)
+            n = min(hit, last) - first
+            if n <= 0:
+                return req.num_cached_tokens
+            if not self.worth_loading(n):
+                self.stats.loads_skipped += 1
+                return req.num_cached_tokens
+            views = [self.cache.block_view(b) for b in req.block_ids[first : first + n]]
+            t = time.perf_counter()
+            got = self.client.get_into(keys[first : first + n], views)
+            dt = time.perf_counter() - t
+        except (KVStoreError, OSError, ValueError) as e:
+            self.stats.load_failures += 1
+            log.warning("event=load_failed request=%d reason=%r", req.request_id, str(e))
+            return req.num_cached_tokens
+        if got < n:
+            self.stats.short_loads += 1
+        if got:
+            nbytes = got * self.block_bytes
+            self._observe_load(nbytes, dt)
+            self.stats.blocks_loaded += got
+            self.stats.tokens_loaded += got * bs
+            self.stats.load_bytes += nbytes
+            self.stats.load_seconds += dt
+        self.stats.per_request[req.request_id] = got * bs
+        return (first + got) * bs
+
+    def _observe_load(self, nbytes: int, seconds: float) -> None:
+        # Split a load's time into a fixed part and a per-byte part: the fixed part is taken
+        # as the smallest load time seen, the rest as transfer.
+        lat = seconds if self.latency.value is None else min(self.latency.value * 1.05, seconds)
+        self.latency.update(lat)
+        transfer = max(seconds - (self.latency.value or 0.0), 1e-6)
+        self.bandwidth.update(nbytes / transfer)
+
+    def save(self, blocks: SavedBlocks) -> None:
+        """The engine's save hook: copies the blocks out now, puts them in the background."""
+        if not blocks.keys:
+            return
+        with self._lock:
+            while self._pending and self._pending[0].done():
+                self._pending.popleft()
+            if len(self._pending) >= self.max_pending_saves:
+                self.stats.saves_dropped += len(blocks.keys)
+                return
+        staged = self.cache.gather(list(blocks.block_ids))  # a copy: the ids may be reused after this call
+        keys = list(blocks.keys)
+        fut = self._saver.submit(self._put, blocks.request_id, keys, staged)
+        with self._lock:
+            self._pending.append(fut)
+            self._by_request.setdefault(blocks.request_id, []).append(fut)
+
+    def _put(self, request_id: int, keys: list[bytes], staged: torch.Tensor) -> int:
+        try:
+            res = self.client.put(keys, [staged[i] for i in range(len(keys))])
+        except (KVStoreError, OSError, ValueError) as e:
+            self.stats.save_failures += 1
+            log.warning("event=save_failed request=%d blocks=%d reason=%r", request_id, len(keys), str(e))
+            return 0
+        self.stats.blocks_saved += res.stored
+        return res.stored + res.skipped
+
+    def wait_saved(self, request_id: int, timeout: float = 30.0) -> int:
+        """Blocks until the request's saves finished; returns how many of its blocks the store holds."""
+        with self._lock:
+            futs = self._by_request.pop(request_id, [])
+        total = 0
+        deadline = time.monotonic() + timeout
+        for f in futs:
+            try:
+                total += f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - a save that did not finish counts as not saved
+                pass
+        return total
+
+    def loaded_tokens(self, request_id: int) -> int:
+        return self.stats.per_request.pop(request_id, 0)
+
+    def close(self) -> None:
+        self._saver.shutdown(wait=True)
