@@ -57,6 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--meta", help="metadata service address")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    p = sub.add_parser("engine", help="the inference engine: router + prefill/decode workers (+ an embedded store)")
+    _common(p)
+    try:
+        from engine.serve import add_arguments
+    except ImportError:  # torch / aiohttp not installed: the store still works
+        p.add_argument("args", nargs=argparse.REMAINDER)
+    else:
+        add_arguments(p)
+
     p = sub.add_parser("demo", help="run the embedded store and a short multi-turn workload that shows prefix reuse")
     _common(p)
     p.add_argument("--sessions", type=int, default=6)
@@ -193,6 +202,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(_serve(cfg, False, True))
         elif ns.cmd == "stat":
             return _stat(cfg, ns.json)
+        elif ns.cmd == "engine":
+            try:
+                from engine.serve import main as engine_main
+            except ImportError as e:
+                print(f"kvstore engine needs the engine extra (torch, aiohttp): {e}", file=sys.stderr)
+                return 2
+            return engine_main(ns)
         elif ns.cmd == "demo":
             from kvstore.demo import run_demo
 

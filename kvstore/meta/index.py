@@ -494,7 +494,7 @@ class Index:
                 status.append(PutStatus.ALLOCATED)
                 placements.append(rep)
         finally:
-            for rep in held:
+            for rep in reversed(held):  # tail first: the chain's head ends up most recent
                 if rep.evictable():
                     rep.segment.lru[rep.entry.key] = rep
         n_skip = sum(1 for s in status if s in (PutStatus.SKIP_EXISTS, PutStatus.SKIP_INFLIGHT))

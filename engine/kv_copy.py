@@ -1,0 +1,562 @@
+"""Moving KV blocks between the paged cache and contiguous staging buffers.
+
+The cache is one contiguous tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]`` (see ``engine.kv_cache``), so block ``b`` is one contiguous run ``cache[b]`` and its
+layer ``l`` is the run ``cache[b, l]``. Two operations, each for whole blocks (all layers in one
+launch) or for one layer of each block (so a load can overlap compute layer by layer)::
+
+    out = gather(cache, block_ids)                 # save:  out[i] = cache[block_ids[i]]
+    gather(cache, block_ids, out=buf, layer=3)     #        buf[i] = cache[block_ids[i], 3]
+    scatter(cache, block_ids, src)                 # load:  cache[block_ids[i]] = src[i]
+    scatter(cache, block_ids, src, layer=3)        #        cache[block_ids[i], 3] = src[i]
+
+Backends, chosen per call from where the cache lives:
+
+- **CUDA kernels** (``cuda/kv_copy.cu``, compiled once per device and process through CuPy's
+  ``RawModule``; CuPy also keeps the binary in its on-disk cache): a CUDA cache and CuPy
+  usable. Tensors are used in place (torch tensors directly, CuPy and other DLPack arrays through
+  ``torch.from_dlpack``: no copies). The copy is enqueued on ``stream`` (default: the current
+  stream) and the call returns without waiting for it.
+- **torch**: a CPU cache (``index_select`` / ``index_copy_``), or a CUDA cache where CuPy is
+  missing or unusable (the same torch calls on the GPU). Same signatures, same checks, same
+  results.
+
+Every argument is checked before anything is launched or written: an out-of-range or negative
+block id, a layer outside the cache, a wrong shape, dtype, device or a non-contiguous buffer
+raises :class:`engine.errors.InvalidRequest` (a ``ValueError``) naming what is wrong, and the
+cache is left untouched. Scatter refuses duplicate block ids (two writes to one block would
+race). Checking ids that already live on the GPU reads their min and max back (one small
+synchronisation); pass them as a list or numpy array when that matters.
+
+**Host staging.** When the cache is on a GPU and ``out`` (gather) or ``src`` (scatter) is host
+memory, the copy crosses to the host in one of two ways (``mode``):
+
+- ``"device"`` (the default): the kernel gathers into a contiguous device scratch buffer, then
+  one ``cudaMemcpyAsync`` moves it to the host (scatter: one ``cudaMemcpyAsync`` to the device,
+  then the kernel). Works for any host memory; asynchronous when it is pinned.
+- ``"mapped"``: the kernel reads or writes pinned host memory directly (zero-copy over the host
+  link, the same pointer under unified addressing). The host buffer must be pinned
+  (``engine.staging.StagingPool`` hands out such slabs).
+
+``DEFAULT_STAGING_MODE`` is ``"device"``: it needs no pinned memory and costs one extra on-device
+pass (HBM is many times faster than the host link). ``bench/gpu_copy.py`` measures both modes
+against a plain ``cudaMemcpyAsync`` of the same bytes; the faster mode on the target GPU belongs
+here, with the numbers in ``bench/RESULTS.md``.
+
+With host staging the call returns once the copies are enqueued: synchronise ``stream`` (or an
+event recorded on it) before reading ``out`` or reusing ``src``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import InvalidRequest
+
+CU_SOURCE = Path(__file__).resolve().parent.parent / "cuda" / "kv_copy.cu"
+"""The kernels' source, loaded by path (``cuda/`` is deliberately not a Python package)."""
+
+THREADS = 256  # KV_COPY_THREADS in the .cu
+UNROLL = 4  # KV_COPY_UNROLL in the .cu
+CHUNK_BYTES = THREADS * UNROLL * 16  # bytes one CTA moves per row: grid.x = ceil(row_bytes / CHUNK_BYTES)
+MAX_GRID_Y = 65535  # rows beyond this are covered by the kernels' grid-stride loop
+NVRTC_OPTIONS = ("-std=c++17",)
+
+STAGING_MODES = ("device", "mapped")
+DEFAULT_STAGING_MODE = "device"
+BACKENDS = ("auto", "cuda", "torch")
+
+DTYPE_TAGS = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+INDEX_TAGS = {torch.int32: "i32", torch.int64: "i64"}
+
+
+def kernel_name(op: str, granularity: str, dtype: torch.dtype, index_dtype: torch.dtype) -> str:
+    """``kv_{gather,scatter}_{blocks,layer}_{f16,bf16,f32}_{i32,i64}``: the .cu's entry points."""
+    return f"kv_{op}_{granularity}_{DTYPE_TAGS[dtype]}_{INDEX_TAGS[index_dtype]}"
+
+
+KERNEL_NAMES = tuple(
+    kernel_name(op, gran, dt, it)
+    for op in ("gather", "scatter")
+    for gran in ("blocks", "layer")
+    for dt in DTYPE_TAGS
+    for it in INDEX_TAGS
+)
+
+# ---------------------------------------------------------------------------------------------
+# CuPy: availability, the compiled module (one per device per process), streams
+# ---------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_cupy_state: dict[str, Any] = {}
+_modules: dict[int, Any] = {}
+_functions: dict[tuple[int, str], Any] = {}
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def cupy_usable() -> bool:
+    """True when CuPy imports and sees a GPU it can launch on (checked once per process)."""
+    with _lock:
+        if "usable" not in _cupy_state:
+            try:
+                import cupy
+
+                _cupy_state["usable"] = bool(cupy.is_available())
+                _cupy_state["why"] = "" if _cupy_state["usable"] else "CuPy sees no usable CUDA device"
+            except Exception as e:  # ImportError, or a CUDA library that fails to load
+                _cupy_state["usable"] = False
+                _cupy_state["why"] = f"CuPy is not importable: {type(e).__name__}: {e}"
+        return _cupy_state["usable"]
+
+
+def cupy_unusable_reason() -> str:
+    """Why :func:`cupy_usable` is False ("" when it is True)."""
+    cupy_usable()
+    return _cupy_state["why"]
+
+
+def load_module(device: int | torch.device | None = None):
+    """The compiled ``cuda/kv_copy.cu`` for ``device`` (a ``cupy.RawModule``), compiled on first use."""
+    import cupy
+
+    dev = _device_index(device)
+    with _lock:
+        mod = _modules.get(dev)
+        if mod is None:
+            source = CU_SOURCE.read_text()
+            with cupy.cuda.Device(dev):
+                mod = cupy.RawModule(code=source, options=NVRTC_OPTIONS)
+                mod.compile()
+            _modules[dev] = mod
+        return mod
+
+
+def _function(dev: int, name: str):
+    fn = _functions.get((dev, name))
+    if fn is None:
+        fn = load_module(dev).get_function(name)
+        with _lock:
+            _functions[(dev, name)] = fn
+    return fn
+
+
+def _device_index(device: int | torch.device | None) -> int:
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else 0
+    if isinstance(device, torch.device):
+        return device.index if device.index is not None else torch.cuda.current_device()
+    return int(device)
+
+
+class _StreamHandle:
+    """A bare ``cudaStream_t`` that speaks the CUDA stream protocol."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def _cupy_stream(handle: int, dev: int):
+    """A CuPy stream object for a raw handle (no ownership), cached per (device, handle)."""
+    import cupy
+
+    if handle == 0:
+        return cupy.cuda.Stream.null
+    key = (dev, handle)
+    s = _streams.get(key)
+    if s is None:
+        with cupy.cuda.Device(dev):
+            if hasattr(cupy.cuda.Stream, "from_external"):
+                s = cupy.cuda.Stream.from_external(_StreamHandle(handle))
+            else:  # CuPy < 14
+                s = cupy.cuda.ExternalStream(handle, dev)
+        with _lock:
+            if len(_streams) > 256:
+                _streams.clear()
+            _streams[key] = s
+    return s
+
+
+def stream_handle(stream: Any, device: torch.device) -> int:
+    """The raw ``cudaStream_t`` of ``stream``: None (the current torch stream on ``device``), a
+    ``torch.cuda.Stream``, a CuPy stream, anything with ``__cuda_stream__``, or an int."""
+    if stream is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    if isinstance(stream, torch.cuda.Stream):
+        return stream.cuda_stream
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    if hasattr(stream, "ptr"):  # cupy.cuda.Stream / ExternalStream
+        return int(stream.ptr)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    raise InvalidRequest(
+        f"stream must be a torch or CuPy CUDA stream, a raw handle or None, got {type(stream).__name__}"
+    )
+
+
+def _torch_stream(handle: int, device: torch.device) -> torch.cuda.Stream:
+    cur = torch.cuda.current_stream(device)
+    if cur.cuda_stream == handle:
+        return cur
+    return torch.cuda.ExternalStream(handle, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (all before any launch or write)
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_tensor(x: Any, what: str) -> tuple[torch.Tensor, str]:
+    """``x`` as a torch tensor sharing its memory, and what it was: torch, numpy or dlpack."""
+    if isinstance(x, torch.Tensor):
+        return x, "torch"
+    if isinstance(x, np.ndarray):
+        if not x.flags.writeable:
+            # torch.from_numpy warns on read-only arrays; a gather target must be writable anyway
+            if what == "out":
+                raise InvalidRequest("out is a read-only numpy array")
+            x = x.copy() if x.size else np.empty(x.shape, x.dtype)
+        try:
+            return torch.from_numpy(x), "numpy"
+        except TypeError as e:
+            raise InvalidRequest(f"{what}: numpy dtype {x.dtype} has no torch equivalent") from e
+    if hasattr(x, "__dlpack__"):
+        try:
+            return torch.from_dlpack(x), "dlpack"
+        except Exception as e:
+            raise InvalidRequest(f"{what}: cannot take {type(x).__name__} through DLPack: {e}") from e
+    raise InvalidRequest(
+        f"{what} must be a torch tensor, a CuPy (DLPack) array or a numpy array, got {type(x).__name__}"
+    )
+
+
+def _check_cache(cache: Any) -> tuple[torch.Tensor, str]:
+    t, kind = _as_tensor(cache, "cache")
+    if t.dtype not in DTYPE_TAGS:
+        raise InvalidRequest(f"cache dtype must be one of float16, bfloat16, float32, got {t.dtype}")
+    if t.dim() < 2:
+        raise InvalidRequest(f"cache must be [num_blocks, num_layers, ...], got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise InvalidRequest(f"cache is empty (shape {tuple(t.shape)})")
+    if not t.is_contiguous():
+        raise InvalidRequest("cache must be contiguous: block b is the run cache[b]")
+    if t.device.type not in ("cpu", "cuda"):
+        raise InvalidRequest(f"cache must be on the CPU or a CUDA GPU, got {t.device}")
+    return t, kind
+
+
+def _check_layer(layer: Any, num_layers: int) -> int | None:
+    if layer is None:
+        return None
+    if isinstance(layer, bool):
+        raise InvalidRequest(f"layer must be an int or None, got {layer!r}")
+    try:
+        layer = operator.index(layer)
+    except TypeError:
+        raise InvalidRequest(f"layer must be an int or None, got {type(layer).__name__}") from None
+    if not 0 <= layer < num_layers:
+        raise InvalidRequest(f"layer {layer} is outside [0, {num_layers})")
+    return layer
+
+
+def _range_error(ids: np.ndarray | torch.Tensor, num_blocks: int) -> InvalidRequest:
+    bad_mask = (ids < 0) | (ids >= num_blocks)
+    pos = int(bad_mask.nonzero()[0][0]) if isinstance(ids, np.ndarray) else int(bad_mask.nonzero()[0, 0])
+    return InvalidRequest(f"block id {int(ids[pos])} (position {pos}) is outside [0, {num_blocks})")
+
+
+def _check_ids(block_ids: Any, num_blocks: int, device: torch.device, *, unique: bool) -> torch.Tensor:
+    """A 1-D int32 or int64 tensor on ``device`` with every id in [0, num_blocks) (and distinct
+    when ``unique``). int32 input stays int32 (the kernels take both); other integers become int64."""
+    if isinstance(block_ids, torch.Tensor | np.ndarray) or hasattr(block_ids, "__dlpack__"):
+        if isinstance(block_ids, np.ndarray):
+            arr = block_ids
+            if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
+                raise InvalidRequest(f"block ids must be integers, got numpy {arr.dtype}")
+            if arr.ndim != 1:
+                raise InvalidRequest(f"block ids must be 1-D, got shape {arr.shape}")
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
+                raise _range_error(arr.astype(np.int64) if arr.dtype.kind == "i" else arr, num_blocks)
+            t = torch.from_numpy(np.ascontiguousarray(arr.astype(np.int32 if arr.dtype == np.int32 else np.int64)))
+        else:
+            t = block_ids if isinstance(block_ids, torch.Tensor) else _as_tensor(block_ids, "block_ids")[0]
+            if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+                raise InvalidRequest(f"block ids must be integers, got {t.dtype}")
+            if t.dim() != 1:
+                raise InvalidRequest(f"block ids must be 1-D, got shape {tuple(t.shape)}")
+            if t.numel():
+                lo, hi = (int(v) for v in torch.stack([t.min().long(), t.max().long()]).tolist())
+                if lo < 0 or hi >= num_blocks:
+                    raise _range_error(t.long(), num_blocks)
+            if t.dtype not in INDEX_TAGS:
+                t = t.long()
+    else:
+        if isinstance(block_ids, str | bytes) or not isinstance(block_ids, Sequence | range):
+            raise InvalidRequest(
+                f"block ids must be a sequence of ints or an integer array, got {type(block_ids).__name__}"
+            )
+        vals = []
+        for pos, v in enumerate(block_ids):
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise InvalidRequest(f"block ids must be ints, got {type(v).__name__} at position {pos}")
+            v = int(v)
+            if not 0 <= v < num_blocks:
+                raise InvalidRequest(f"block id {v} (position {pos}) is outside [0, {num_blocks})")
+            vals.append(v)
+        t = torch.tensor(vals, dtype=torch.int64)
+    if unique and t.numel() > 1:
+        u, counts = torch.unique(t, return_counts=True)
+        if int(counts.max()) > 1:
+            dup = int(u[counts > 1][0])
+            raise InvalidRequest(f"block id {dup} appears more than once: a scatter writes each block once")
+    if t.device != device:
+        t = t.to(device)
+    return t.contiguous()
+
+
+def _check_buffer(
+    buf: Any, what: str, cache_t: torch.Tensor, shape: tuple[int, ...], *, writable: bool
+) -> tuple[torch.Tensor, bool]:
+    """``buf`` as a typed contiguous tensor of ``shape`` and the cache's dtype, and whether it is host
+    memory that must cross to (or from) a GPU cache. A uint8 buffer of exactly the right byte count
+    (a raw staging slab) is viewed as the cache's dtype and shape."""
+    t, kind = _as_tensor(buf, what)
+    if kind == "numpy" and writable and not buf.flags.writeable:
+        raise InvalidRequest(f"{what} is read-only")
+    nbytes = math.prod(shape) * cache_t.element_size()
+    if t.dtype == torch.uint8 and cache_t.dtype != torch.uint8:
+        if not t.is_contiguous():
+            raise InvalidRequest(f"{what} must be contiguous")
+        if t.numel() != nbytes:
+            raise InvalidRequest(
+                f"{what} holds {t.numel()} bytes, expected {nbytes} for shape {shape} of {cache_t.dtype}"
+            )
+        if t.data_ptr() % cache_t.element_size():
+            raise InvalidRequest(f"{what} is not aligned to {cache_t.element_size()} bytes")
+        t = t.reshape(-1).view(cache_t.dtype).view(shape)
+    else:
+        if t.dtype != cache_t.dtype:
+            raise InvalidRequest(f"{what} dtype must match the cache ({cache_t.dtype}), got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise InvalidRequest(f"{what} shape must be {shape}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise InvalidRequest(f"{what} must be contiguous")
+    if t.device == cache_t.device:
+        return t, False
+    if cache_t.device.type == "cuda" and t.device.type == "cpu":
+        return t, True
+    raise InvalidRequest(f"{what} is on {t.device}, the cache on {cache_t.device}")
+
+
+def _check_mode(mode: str | None) -> str:
+    mode = DEFAULT_STAGING_MODE if mode is None else mode
+    if mode not in STAGING_MODES:
+        raise InvalidRequest(f"mode must be one of {STAGING_MODES}, got {mode!r}")
+    return mode
+
+
+def _use_kernels(cache_t: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise InvalidRequest(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" or cache_t.device.type != "cuda":
+        if backend == "cuda":
+            raise InvalidRequest(f"backend='cuda' needs a cache on a CUDA GPU, the cache is on {cache_t.device}")
+        return False
+    if cupy_usable():
+        return True
+    if backend == "cuda":
+        raise RuntimeError(f"backend='cuda' asked for, but {cupy_unusable_reason()}")
+    return False
+
+
+def _row_shape(cache_t: torch.Tensor, layer: int | None) -> tuple[int, ...]:
+    return tuple(cache_t.shape[1:]) if layer is None else tuple(cache_t.shape[2:])
+
+
+# ---------------------------------------------------------------------------------------------
+# The copies
+# ---------------------------------------------------------------------------------------------
+
+
+def _launch(op: str, cache_t: torch.Tensor, buf_ptr: int, ids_t: torch.Tensor, layer: int | None, handle: int) -> None:
+    import cupy
+
+    dev = cache_t.device.index
+    n = ids_t.numel()
+    num_blocks, num_layers = cache_t.shape[0], cache_t.shape[1]
+    block_bytes = cache_t.stride(0) * cache_t.element_size()
+    row_bytes = block_bytes if layer is None else block_bytes // num_layers
+    fn = _function(dev, kernel_name(op, "blocks" if layer is None else "layer", cache_t.dtype, ids_t.dtype))
+    grid = (max(1, -(-row_bytes // CHUNK_BYTES)), min(n, MAX_GRID_Y), 1)
+    args = [np.uint64(cache_t.data_ptr()), np.uint64(buf_ptr), np.uint64(ids_t.data_ptr()),
+            np.int64(n), np.int64(num_blocks), np.int64(block_bytes)]  # fmt: skip
+    if layer is not None:
+        args += [np.int64(layer), np.int64(row_bytes)]
+    with cupy.cuda.Device(dev), _cupy_stream(handle, dev):
+        fn(grid, (THREADS, 1, 1), tuple(args))
+
+
+def _memcpy_async(dst: int, src: int, nbytes: int, handle: int, dev: int) -> None:
+    import cupy
+
+    with cupy.cuda.Device(dev):
+        cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, cupy.cuda.runtime.memcpyDefault, handle)
+
+
+def _keep_alive(t: torch.Tensor, handle: int, device: torch.device) -> None:
+    """Tell torch's caching allocator that ``t`` is in use on the stream ``handle`` (a no-op when that
+    is the current stream), so its memory is not handed out again before the copy has run."""
+    s = _torch_stream(handle, device)
+    if s.cuda_stream != torch.cuda.current_stream(device).cuda_stream:
+        t.record_stream(s)
+
+
+def _scratch(cache_t: torch.Tensor, shape: tuple[int, ...], scratch: Any) -> torch.Tensor:
+    if scratch is None:
+        return torch.empty(shape, dtype=cache_t.dtype, device=cache_t.device)
+    s, _ = _as_tensor(scratch, "scratch")
+    nbytes = math.prod(shape) * cache_t.element_size()
+    if s.device != cache_t.device or not s.is_contiguous() or s.numel() * s.element_size() < nbytes:
+        raise InvalidRequest(f"scratch must be a contiguous buffer of at least {nbytes} bytes on {cache_t.device}")
+    return s.reshape(-1).view(torch.uint8)[:nbytes].view(cache_t.dtype).view(shape)
+
+
+def gather(
+    cache: Any,
+    block_ids: Any,
+    out: Any = None,
+    layer: int | None = None,
+    *,
+    stream: Any = None,
+    mode: str | None = None,
+    scratch: Any = None,
+    backend: str = "auto",
+) -> Any:
+    """Copies blocks out of the paged cache: ``out[i] = cache[block_ids[i]]`` (or ``cache[block_ids[i],
+    layer]``). ``out`` has shape ``[n, *cache.shape[1:]]`` (``[n, *cache.shape[2:]]`` for one layer)
+    and the cache's dtype, or is a uint8 buffer of exactly that many bytes; it lives on the cache's
+    device or, for a GPU cache, in host memory (then ``mode`` picks how it crosses, see the module
+    docstring; ``scratch`` is an optional device buffer for ``mode="device"``). A new tensor is
+    returned when ``out`` is None (a CuPy array when the cache is one), else ``out`` itself."""
+    cache_t, cache_kind = _check_cache(cache)
+    layer = _check_layer(layer, cache_t.shape[1])
+    ids_t = _check_ids(block_ids, cache_t.shape[0], cache_t.device, unique=False)
+    shape = (ids_t.numel(), *_row_shape(cache_t, layer))
+    if out is None:
+        out_t, host = torch.empty(shape, dtype=cache_t.dtype, device=cache_t.device), False
+    else:
+        out_t, host = _check_buffer(out, "out", cache_t, shape, writable=True)
+    mode = _check_mode(mode)
+    use_kernels = _use_kernels(cache_t, backend)
+    if host and mode == "mapped" and not out_t.is_pinned():
+        raise InvalidRequest("mode='mapped' needs pinned host memory for out (see engine.staging.StagingPool)")
+
+    if ids_t.numel():
+        if cache_t.device.type == "cpu":
+            view = cache_t if layer is None else cache_t[:, layer]
+            torch.index_select(view, 0, ids_t, out=out_t)
+        else:
+            handle = stream_handle(
+                stream if stream is not None or cache_kind == "torch" else _cupy_current(), cache_t.device
+            )
+            if use_kernels:
+                _gather_cuda(cache_t, ids_t, out_t, layer, handle, host, mode, scratch)
+            else:
+                with torch.cuda.stream(_torch_stream(handle, cache_t.device)):
+                    view = cache_t if layer is None else cache_t[:, layer]
+                    if host:
+                        out_t.copy_(view.index_select(0, ids_t), non_blocking=True)
+                    else:
+                        torch.index_select(view, 0, ids_t, out=out_t)
+            _keep_alive(ids_t, handle, cache_t.device)
+
+    if out is not None:
+        return out
+    if cache_kind == "dlpack":
+        import cupy
+
+        return cupy.from_dlpack(out_t)
+    return out_t
+
+
+def _gather_cuda(cache_t, ids_t, out_t, layer, handle, host, mode, scratch) -> None:
+    dev = cache_t.device.index
+    if not host or mode == "mapped":
+        _launch("gather", cache_t, out_t.data_ptr(), ids_t, layer, handle)
+        return
+    tmp = _scratch(cache_t, tuple(out_t.shape), scratch)
+    _launch("gather", cache_t, tmp.data_ptr(), ids_t, layer, handle)
+    _memcpy_async(out_t.data_ptr(), tmp.data_ptr(), out_t.numel() * out_t.element_size(), handle, dev)
+    _keep_alive(tmp, handle, cache_t.device)
+
+
+def scatter(
+    cache: Any,
+    block_ids: Any,
+    src: Any,
+    layer: int | None = None,
+    *,
+    stream: Any = None,
+    mode: str | None = None,
+    scratch: Any = None,
+    backend: str = "auto",
+) -> None:
+    """Copies blocks into the paged cache: ``cache[block_ids[i]] = src[i]`` (or ``cache[block_ids[i],
+    layer] = src[i]``). ``src`` is shaped, typed and placed as ``gather``'s ``out``. Block ids must be
+    distinct. Nothing is written when any argument is refused."""
+    cache_t, cache_kind = _check_cache(cache)
+    layer = _check_layer(layer, cache_t.shape[1])
+    ids_t = _check_ids(block_ids, cache_t.shape[0], cache_t.device, unique=True)
+    shape = (ids_t.numel(), *_row_shape(cache_t, layer))
+    src_t, host = _check_buffer(src, "src", cache_t, shape, writable=False)
+    mode = _check_mode(mode)
+    use_kernels = _use_kernels(cache_t, backend)
+    if host and mode == "mapped" and not src_t.is_pinned():
+        raise InvalidRequest("mode='mapped' needs pinned host memory for src (see engine.staging.StagingPool)")
+    if not ids_t.numel():
+        return
+
+    if cache_t.device.type == "cpu":
+        view = cache_t if layer is None else cache_t[:, layer]
+        view.index_copy_(0, ids_t.long(), src_t)
+        return
+    handle = stream_handle(stream if stream is not None or cache_kind == "torch" else _cupy_current(), cache_t.device)
+    if use_kernels:
+        if not host or mode == "mapped":
+            _launch("scatter", cache_t, src_t.data_ptr(), ids_t, layer, handle)
+        else:
+            tmp = _scratch(cache_t, shape, scratch)
+            _memcpy_async(tmp.data_ptr(), src_t.data_ptr(), src_t.numel() * src_t.element_size(), handle,
+                          cache_t.device.index)  # fmt: skip
+            _launch("scatter", cache_t, tmp.data_ptr(), ids_t, layer, handle)
+            _keep_alive(tmp, handle, cache_t.device)
+    else:
+        with torch.cuda.stream(_torch_stream(handle, cache_t.device)):
+            view = cache_t if layer is None else cache_t[:, layer]
+            view.index_copy_(0, ids_t.long(), src_t.to(cache_t.device, non_blocking=True) if host else src_t)
+    _keep_alive(ids_t, handle, cache_t.device)
+
+
+def _cupy_current():
+    import cupy
+
+    return cupy.cuda.get_current_stream()
+
+
+def gather_reference(cache: torch.Tensor, block_ids: Sequence[int], layer: int | None = None) -> torch.Tensor:
+    """The plain-indexing answer ``gather`` must equal (one block at a time; for tests and benchmarks)."""
+    rows = [cache[b] if layer is None else cache[b, layer] for b in block_ids]
+    if not rows:
+        return torch.empty((0, *_row_shape(cache, layer)), dtype=cache.dtype, device=cache.device)
+    return torch.stack(rows)

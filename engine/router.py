@@ -1,0 +1,498 @@
+"""The front end: an OpenAI-compatible HTTP API and a cache-aware, SLO-aware router.
+
+Endpoints: ``POST /v1/completions`` (streaming or not), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text; labels are bounded: never a request id or key).
+
+Routing (``mode="disagg"``): a request goes to the prefill worker with the lowest estimated
+time to first token, then to a decode worker chosen by load against the TPOT target::
+
+    est_ttft(w) = queued_tokens(w) / tps(w)                  # what is ahead of it
+                + uncached_tokens(w) / tps(w)                # what it must compute
+                + transfer_bytes(w) / bandwidth(w)           # what it must load from the store
+
+``uncached`` counts the prompt's tokens beyond the longer of two cached prefixes: the store's
+(a side-effect-free lookup of the prompt's block keys) and the worker's own local prefix cache
+(estimated from the prompts the router recently sent it). Throughput and bandwidth are what the
+workers measured. A request whose best estimate misses ``ttft_target_s`` is refused at once
+with HTTP 429. ``routing="round_robin"`` ignores all of this (for comparison);
+``mode="colocated"`` sends the whole request to one worker that does both phases.
+
+Every response carries, besides the OpenAI fields, ``kvstore``: TTFT, TPOT, and the prompt
+tokens loaded from the store, found in the worker's local cache, and computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger("engine.router")
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class RouterConfig:
+    model_name: str = "kvstore-llama"
+    mode: str = "disagg"  # or "colocated"
+    routing: str = "cache_aware"  # or "round_robin"
+    ttft_target_s: float = 5.0
+    tpot_target_s: float = 0.5
+    health_interval_s: float = 0.5
+    recent_keys_per_worker: int = 50_000
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class WorkerRef:
+    url: str
+    role: str
+    alive: bool = True
+    health: dict = field(default_factory=dict)
+    queued_tokens: int = 0  # router-side: prompt tokens sent and not yet through prefill
+    active: int = 0  # router-side: requests in flight
+    recent: OrderedDict = field(default_factory=OrderedDict)  # block keys it recently computed or loaded
+
+    def tps(self) -> float:
+        return self.health.get("prefill_tps") or 2000.0
+
+    def local_hit(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.recent:
+                break
+            n += 1
+        return n
+
+    def remember(self, keys: list[bytes], limit: int) -> None:
+        for k in keys:
+            self.recent[k] = None
+            self.recent.move_to_end(k)
+        while len(self.recent) > limit:
+            self.recent.popitem(last=False)
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.tokens = {"prompt": 0, "loaded": 0, "cached": 0, "computed": 0, "generated": 0}
+        self.ttft_buckets = [0] * (len(TTFT_BUCKETS) + 1)
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+        self.tpot_sum = 0.0
+        self.tpot_count = 0
+
+    def request(self, status: str) -> None:
+        self.requests[status] = self.requests.get(status, 0) + 1
+
+    def observe(self, info: dict) -> None:
+        t = info["ttft_ms"] / 1000
+        self.ttft_sum += t
+        self.ttft_count += 1
+        i = next((i for i, b in enumerate(TTFT_BUCKETS) if t <= b), len(TTFT_BUCKETS))
+        self.ttft_buckets[i] += 1
+        if info.get("tpot_ms") is not None:
+            self.tpot_sum += info["tpot_ms"] / 1000
+            self.tpot_count += 1
+        for k, src in (("loaded", "tokens_loaded"), ("cached", "tokens_cached"), ("computed", "tokens_computed")):
+            self.tokens[k] += info.get(src, 0)
+
+    def render(self, workers: list[WorkerRef]) -> str:
+        out = ["# TYPE kvstore_engine_requests_total counter"]
+        out += [f'kvstore_engine_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
+        out.append("# TYPE kvstore_engine_tokens_total counter")
+        out += [f'kvstore_engine_tokens_total{{kind="{k}"}} {n}' for k, n in self.tokens.items()]
+        out.append("# TYPE kvstore_engine_ttft_seconds histogram")
+        acc = 0
+        for b, n in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_buckets):
+            acc += n
+            out.append(f'kvstore_engine_ttft_seconds_bucket{{le="{b}"}} {acc}')
+        out += [
+            f"kvstore_engine_ttft_seconds_sum {self.ttft_sum}",
+            f"kvstore_engine_ttft_seconds_count {self.ttft_count}",
+        ]
+        out.append("# TYPE kvstore_engine_tpot_seconds summary")
+        out += [
+            f"kvstore_engine_tpot_seconds_sum {self.tpot_sum}",
+            f"kvstore_engine_tpot_seconds_count {self.tpot_count}",
+        ]
+        out.append("# TYPE kvstore_engine_workers gauge")
+        for role in ("prefill", "decode", "both"):
+            alive = sum(1 for w in workers if w.role == role and w.alive)
+            out.append(f'kvstore_engine_workers{{role="{role}",state="alive"}} {alive}')
+        return "\n".join(out) + "\n"
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, workers: list[WorkerRef], store: str = "") -> None:
+        if cfg.mode not in ("disagg", "colocated"):
+            raise ValueError(f"router mode must be disagg or colocated, got {cfg.mode!r}")
+        if cfg.routing not in ("cache_aware", "round_robin"):
+            raise ValueError(f"routing must be cache_aware or round_robin, got {cfg.routing!r}")
+        self.cfg = cfg
+        self.workers = workers
+        self.store_addr = store
+        self.metrics = Metrics()
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self.session: aiohttp.ClientSession | None = None
+        self.store = None
+        self.keyspace = None
+        self.tokenizer = None
+        self.info: dict = {}
+        self._poller: asyncio.Task | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s))
+        await self._poll_once()
+        ref = next((w for w in self.workers if w.alive and w.health), None)
+        if ref is None:
+            raise RuntimeError("no engine worker answered /health")
+        self.info = ref.health
+        from engine.tokenizer import ByteTokenizer
+        from kvstore.keys import KeySpace, ModelFingerprint
+
+        ks = self.info["keyspace"]
+        self.keyspace = KeySpace(ModelFingerprint(**ks["fingerprint"]), namespace=ks["namespace"], algo=ks["algo"])
+        self.tokenizer = ByteTokenizer(self.info["vocab_size"])
+        if self.store_addr:
+            from kvstore.client import KVStoreClient
+            from kvstore.config import ClientConfig
+
+            self.store = KVStoreClient(self.store_addr, ClientConfig(rpc_timeout_s=2, retries=0))
+        self._poller = asyncio.create_task(self._poll())
+
+    async def close(self) -> None:
+        if self._poller:
+            self._poller.cancel()
+        if self.store is not None:
+            await self.store.close()
+        if self.session:
+            await self.session.close()
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await self._poll_once()
+
+    async def _poll_once(self) -> None:
+        async def one(w: WorkerRef) -> None:
+            try:
+                async with self.session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:  # type: ignore[union-attr]
+                    w.health = await r.json()
+                    w.alive = True
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                if w.alive:
+                    log.warning("event=worker_down url=%s", w.url)
+                w.alive = False
+
+        await asyncio.gather(*(one(w) for w in self.workers))
+
+    # ---- choosing workers -------------------------------------------------------------------
+
+    def _pool(self, role: str) -> list[WorkerRef]:
+        want = ("both",) if self.cfg.mode == "colocated" else (role,)
+        return [w for w in self.workers if w.alive and w.role in want]
+
+    async def _store_hit(self, keys: list[bytes]) -> int:
+        if self.store is None or not keys:
+            return 0
+        try:
+            return await self.store.lookup(keys)
+        except Exception:  # noqa: BLE001 - an unreachable store means: nothing cached there
+            return 0
+
+    def estimate_ttft(self, w: WorkerRef, keys: list[bytes], prompt_len: int, store_hit: int) -> float:
+        bs = self.info["block_size"]
+        local = w.local_hit(keys)
+        have = max(local, store_hit) * bs
+        uncached = max(prompt_len - have, bs if prompt_len % bs == 0 else prompt_len % bs)
+        transfer = max(0, store_hit - local) * self.info["block_bytes"]
+        bw = w.health.get("store_bandwidth") or 2e9
+        lat = w.health.get("store_latency") or 0.002
+        return w.queued_tokens / w.tps() + uncached / w.tps() + (transfer / bw + lat if transfer else 0.0)
+
+    async def choose_prefill(self, keys: list[bytes], prompt_len: int) -> tuple[WorkerRef, float]:
+        pool = self._pool("prefill")
+        if not pool:
+            raise RequestError(503, "no prefill worker is available", "service_unavailable")
+        store_hit = await self._store_hit(keys)
+        ests = [(self.estimate_ttft(w, keys, prompt_len, store_hit), i, w) for i, w in enumerate(pool)]
+        if self.cfg.routing == "round_robin":
+            w = pool[next(self._rr["prefill"]) % len(pool)]
+            return w, next(e for e, _, x in ests if x is w)
+        est, _, w = min(ests)
+        if est > self.cfg.ttft_target_s:
+            raise RequestError(
+                429,
+                f"estimated time to first token {est:.2f} s exceeds the target of {self.cfg.ttft_target_s:.2f} s; "
+                "retry later",
+                "rate_limit_exceeded",
+            )
+        return w, est
+
+    def choose_decode(self) -> WorkerRef:
+        pool = self._pool("decode")
+        if not pool:
+            raise RequestError(503, "no decode worker is available", "service_unavailable")
+        if self.cfg.routing == "round_robin":
+            return pool[next(self._rr["decode"]) % len(pool)]
+
+        def tpot(w: WorkerRef) -> float:
+            step = w.health.get("step_s") or 0.0
+            return step * (1 + w.active / max(1, w.health.get("max_num_seqs", 32)))
+
+        ok = [w for w in pool if tpot(w) <= self.cfg.tpot_target_s] or pool
+        return min(ok, key=lambda w: (w.active, tpot(w)))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def parse(self, body: dict) -> dict:
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)  # type: ignore[union-attr]
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError(400, "prompt must be a string or a list of token ids (one prompt per request)")
+        if not ids:
+            raise RequestError(400, "prompt is empty")
+        vocab = self.info["vocab_size"]
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError(400, f"prompt has token ids outside the vocabulary [0, {vocab})")
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise RequestError(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
+        limit = self.info["max_model_len"]
+        if len(ids) + max_tokens > limit:
+            raise RequestError(
+                400, f"prompt of {len(ids)} tokens plus max_tokens {max_tokens} exceeds the context limit of {limit}"
+            )
+        temperature = body.get("temperature", 1.0)
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
+            raise RequestError(400, f"temperature must be a number in [0, 2], got {temperature!r}")
+        if body.get("n", 1) != 1:
+            raise RequestError(400, "only n=1 is supported")
+        if body.get("echo") or body.get("logprobs") or body.get("best_of", 1) != 1:
+            raise RequestError(400, "echo, logprobs and best_of are not supported")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise RequestError(400, f"seed must be a non-negative integer, got {seed!r}")
+        return {
+            "prompt_ids": ids,
+            "max_tokens": max_tokens,
+            "temperature": float(temperature),
+            "seed": seed,
+            "ignore_eos": bool(body.get("ignore_eos", False)),
+            "stream": bool(body.get("stream", False)),
+        }
+
+    async def _ndjson(self, resp: aiohttp.ClientResponse):  # noqa: ANN202
+        async for line in resp.content:
+            if line.strip():
+                yield json.loads(line)
+
+    async def run(self, req: dict):  # noqa: ANN201 - async generator of events
+        """Runs one request through the workers. Yields ("token", ids), then ("done", info)."""
+        t0 = time.perf_counter()
+        ids = req["prompt_ids"]
+        keys = self.keyspace.block_keys(ids)  # type: ignore[union-attr]
+        pw, est = await self.choose_prefill(keys, len(ids))
+        params = {k: req[k] for k in ("max_tokens", "temperature", "seed", "ignore_eos")}
+        pw.queued_tokens += len(ids)
+        pw.active += 1
+        info: dict = {"prefill_worker": pw.url, "estimated_ttft_ms": round(est * 1000, 2)}
+        out: list[int] = []
+        t_tokens: list[float] = []
+        finish = None
+        try:
+            path = "/generate" if self.cfg.mode == "colocated" else "/prefill"
+            async with self.session.post(pw.url + path, json={"prompt_ids": ids, **params}) as r:  # type: ignore[union-attr]
+                if r.status == 400:
+                    raise RequestError(400, (await r.json())["error"])
+                r.raise_for_status()
+                async for msg in self._ndjson(r):
+                    if msg["type"] == "token":
+                        if not out:
+                            pw.queued_tokens -= len(ids)
+                        out += msg["ids"]
+                        t_tokens += [time.perf_counter()] * len(msg["ids"])
+                        yield "token", msg["ids"]
+                    elif msg["type"] == "done":
+                        finish = msg["finish_reason"]
+                        info.update(tokens_loaded=msg["loaded_tokens"], tokens_cached=msg["cached_tokens"],
+                                    tokens_computed=msg["computed_tokens"])  # fmt: skip
+                    elif msg["type"] == "error":
+                        raise RequestError(502, f"prefill worker {pw.url} failed: {msg['message']}", "server_error")
+            pw.remember(keys, self.cfg.recent_keys_per_worker)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise RequestError(502, f"worker {pw.url} failed during prefill: {e}", "server_error") from None
+        finally:
+            if not out:
+                pw.queued_tokens -= len(ids)
+            pw.active -= 1
+        if not out:
+            raise RequestError(502, f"worker {pw.url} returned no token", "server_error")
+        if self.cfg.mode == "disagg" and finish in ("max_tokens", "length") and req["max_tokens"] > 1:
+            dw = self.choose_decode()
+            info["decode_worker"] = dw.url
+            dw.active += 1
+            body = {"prompt_ids": ids + out[:1], **params, "max_tokens": req["max_tokens"] - 1}
+            try:
+                async with self.session.post(dw.url + "/generate", json=body) as r:  # type: ignore[union-attr]
+                    if r.status == 400:
+                        raise RequestError(400, (await r.json())["error"])
+                    r.raise_for_status()
+                    finish = None
+                    async for msg in self._ndjson(r):
+                        if msg["type"] == "token":
+                            out += msg["ids"]
+                            t_tokens += [time.perf_counter()] * len(msg["ids"])
+                            yield "token", msg["ids"]
+                        elif msg["type"] == "done":
+                            finish = msg["finish_reason"]
+                            info["decode_tokens_loaded"] = msg["loaded_tokens"]
+                        elif msg["type"] == "error":
+                            raise RequestError(502, f"decode worker {dw.url} failed: {msg['message']}", "server_error")
+                    if finish is None:
+                        raise RequestError(502, f"decode worker {dw.url} ended the stream early", "server_error")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                dw.alive = False  # until its next health check says otherwise
+                raise RequestError(502, f"decode worker {dw.url} failed mid-request: {e}", "server_error") from None
+            finally:
+                dw.active -= 1
+        info["ttft_ms"] = round((t_tokens[0] - t0) * 1000, 3)
+        info["tpot_ms"] = (
+            round((t_tokens[-1] - t_tokens[0]) / (len(t_tokens) - 1) * 1000, 3) if len(t_tokens) > 1 else None
+        )
+        info["finish_reason"] = "stop" if finish in ("eos", "stop") else "length"
+        info["completion_tokens"] = len(out)
+        info["output_ids"] = out
+        self.metrics.observe(info)
+        self.metrics.tokens["prompt"] += len(ids)
+        self.metrics.tokens["generated"] += len(out)
+        yield "done", info
+
+
+def make_app(router: Router) -> web.Application:
+    def error(e: RequestError) -> web.Response:
+        router.metrics.request(str(e.status))
+        return web.json_response({"error": {"message": e.message, "type": e.kind, "code": e.status}}, status=e.status)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(RequestError(400, "the request body is not valid JSON"))
+        try:
+            req = router.parse(body)
+        except RequestError as e:
+            return error(e)
+        cid = "cmpl-" + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        model = router.cfg.model_name
+        tok = router.tokenizer
+        if not req["stream"]:
+            try:
+                info = None
+                async for kind, val in router.run(req):
+                    if kind == "done":
+                        info = val
+            except RequestError as e:
+                return error(e)
+            ids = info["output_ids"]
+            router.metrics.request("200")
+            return web.json_response(
+                {
+                    "id": cid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": tok.decode(ids), "logprobs": None, "finish_reason": info["finish_reason"]}],
+                    "usage": {"prompt_tokens": len(req["prompt_ids"]), "completion_tokens": len(ids),
+                              "total_tokens": len(req["prompt_ids"]) + len(ids)},
+                    "kvstore": info,
+                }
+            )  # fmt: skip
+        resp = None
+        ids: list[int] = []
+        sent_text = ""
+
+        def chunk(text: str, finish: str | None, extra: dict | None = None) -> bytes:
+            body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+            if extra:
+                body.update(extra)
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        try:
+            async for kind, val in router.run(req):
+                if resp is None:
+                    resp = web.StreamResponse(
+                        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                    )
+                    await resp.prepare(request)
+                if kind == "token":
+                    ids += val
+                    text = tok.decode(ids)
+                    if text.endswith("\ufffd"):
+                        continue  # an incomplete UTF-8 sequence: wait for its next byte
+                    delta, sent_text = text[len(sent_text) :], text
+                    await resp.write(chunk(delta, None))
+                else:
+                    usage = {"prompt_tokens": len(req["prompt_ids"]), "completion_tokens": len(ids),
+                             "total_tokens": len(req["prompt_ids"]) + len(ids)}  # fmt: skip
+                    await resp.write(
+                        chunk(tok.decode(ids)[len(sent_text) :], val["finish_reason"], {"usage": usage, "kvstore": val})
+                    )
+            router.metrics.request("200")
+        except RequestError as e:
+            if resp is None:
+                return error(e)
+            router.metrics.request(str(e.status))
+            err = {"error": {"message": e.message, "type": e.kind, "code": e.status}}
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            return resp
+        await resp.write(b"data: [DONE]\n\n")  # type: ignore[union-attr]
+        await resp.write_eof()  # type: ignore[union-attr]
+        return resp  # type: ignore[return-value]
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": router.cfg.model_name, "object": "model", "created": 0, "owned_by": "kvstore"}],
+            }
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        ws = [{"url": w.url, "role": w.role, "alive": w.alive, "active": w.active} for w in router.workers]
+        ok = bool(router._pool("prefill")) and (router.cfg.mode == "colocated" or bool(router._pool("decode")))
+        return web.json_response({"ok": ok, "mode": router.cfg.mode, "workers": ws}, status=200 if ok else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=router.metrics.render(router.workers), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,230 @@
+"""The engine served for real: a store process, prefill and decode worker processes, the router's
+HTTP API driven with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("aiohttp")
+openai = pytest.importorskip("openai")
+
+from engine.router import RouterConfig  # noqa: E402
+from engine.serve import Deployment, DeploymentSpec  # noqa: E402
+from engine.worker import build_model  # noqa: E402
+
+BS = 16
+
+
+class Running:
+    """A deployment on a background event loop, usable from synchronous tests."""
+
+    def __init__(self, spec: DeploymentSpec) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.d = Deployment(spec)
+        self.call(self.d.start())
+        self.client = openai.OpenAI(base_url=self.d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def call(self, coro):  # noqa: ANN001, ANN201
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(300)
+
+    def complete(self, prompt, max_tokens=8, **extra):  # noqa: ANN001, ANN201
+        r = self.client.completions.create(
+            model="kvstore-llama", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra or None
+        )
+        return r, r.model_extra["kvstore"]
+
+    def close(self) -> None:
+        self.call(self.d.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy tokens computed in this process, without any store."""
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+
+    torch.set_num_threads(1)
+    eng = LLMEngine(build_model("tiny"), EngineConfig(num_blocks=256, enable_prefix_caching=False))
+    return lambda ids, n: eng.generate([ids], max_tokens=n, ignore_eos=True)[0]
+
+
+@pytest.fixture(scope="module")
+def disagg():
+    # No local prefix caches: every reuse has to come through the store.
+    spec = DeploymentSpec(model="tiny", prefill=2, decode=2, store="embedded", prefix_cache=False,
+                          router=RouterConfig(routing="round_robin"))  # fmt: skip
+    r = Running(spec)
+    yield r
+    r.close()
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("n", [1, BS - 1, BS, BS + 1, 5 * BS + 3])
+def test_greedy_tokens_through_the_store_equal_no_store(disagg, reference, n):
+    ids = prompt_ids(n, seed=n)
+    _, info = disagg.complete(ids, max_tokens=12, ignore_eos=True)
+    assert info["output_ids"] == reference(ids, 12)
+    assert info["decode_worker"] != info["prefill_worker"]
+    # The decode worker pulled every full block of the prompt from the store.
+    assert info["decode_tokens_loaded"] == (n + 1) // BS * BS - (BS if (n + 1) % BS == 0 else 0) or n < BS
+
+
+def test_prompt_that_fully_hits_the_store(disagg, reference):
+    ids = prompt_ids(4 * BS, seed=99)
+    _, first = disagg.complete(ids, max_tokens=6, ignore_eos=True)
+    _, again = disagg.complete(ids, max_tokens=6, ignore_eos=True)  # round robin: the other prefill worker
+    assert again["prefill_worker"] != first["prefill_worker"]
+    # All full blocks but the last (whose last token must be computed to get logits) came from the store.
+    assert again["tokens_loaded"] == 3 * BS and again["tokens_computed"] == BS
+    assert again["output_ids"] == first["output_ids"] == reference(ids, 6)
+
+
+def test_openai_client_streaming_and_not_with_a_repeated_prefix(disagg, reference):
+    system = prompt_ids(6 * BS, seed=7)
+    a = system + prompt_ids(9, seed=8)
+    b = system + prompt_ids(5, seed=9)
+    r1, i1 = disagg.complete(a, max_tokens=10, ignore_eos=True)
+    assert r1.choices[0].finish_reason == "length" and r1.usage.completion_tokens == 10
+    stream = disagg.client.completions.create(
+        model="kvstore-llama", prompt=b, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks)
+    last = chunks[-1].model_extra["kvstore"]
+    assert last["output_ids"] == reference(b, 10)
+    assert last["tokens_loaded"] == 6 * BS  # the shared prefix came from the store
+    assert text == disagg.call(_decode(disagg, last["output_ids"]))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    models = disagg.client.models.list()
+    assert [m.id for m in models.data] == ["kvstore-llama"]
+
+
+async def _decode(r: Running, ids: list[int]) -> str:
+    return r.d.router.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": []}, "prompt is empty"),
+        ({"prompt": [1] * 5000}, "exceeds the context limit"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"prompt": "hi", "temperature": -1}, "temperature must be a number"),
+        ({"prompt": [999999]}, "outside the vocabulary"),
+        ({"prompt": {"x": 1}}, "prompt must be a string"),
+        ({"prompt": "hi", "n": 3}, "only n=1"),
+    ],
+)
+def test_bad_requests_get_400_with_a_message(disagg, body, message):
+    with pytest.raises(openai.BadRequestError) as ei:
+        disagg.client.completions.create(model="kvstore-llama", **body)
+    assert message in str(ei.value)
+
+
+def test_health_and_metrics(disagg):
+    import urllib.request
+
+    h = json.loads(urllib.request.urlopen(disagg.d.url + "/health").read())
+    assert h["ok"] and h["mode"] == "disagg" and len(h["workers"]) == 4
+    m = urllib.request.urlopen(disagg.d.url + "/metrics").read().decode()
+    assert 'kvstore_engine_requests_total{status="200"}' in m
+    assert "kvstore_engine_ttft_seconds_bucket" in m
+
+
+def test_request_over_the_ttft_target_is_refused_early(disagg):
+    router = disagg.d.router
+    before = router.cfg.routing, router.cfg.ttft_target_s
+    router.cfg.routing, router.cfg.ttft_target_s = "cache_aware", 1e-6
+    try:
+        with pytest.raises(openai.RateLimitError) as ei:
+            disagg.complete(prompt_ids(40, seed=1))
+        assert "exceeds the target" in str(ei.value)
+    finally:
+        router.cfg.routing, router.cfg.ttft_target_s = before
+
+
+def test_store_corruption_and_store_down_are_answered_by_recompute(reference):
+    r = Running(DeploymentSpec(model="tiny", prefill=1, decode=1, store="embedded", prefix_cache=False))
+    try:
+        ids = prompt_ids(8 * BS, seed=42)
+        _, first = r.complete(ids, max_tokens=8, ignore_eos=True)
+        # Corrupt every stored block in the store's shared memory (payload bytes, not headers).
+        store = r.d.children[0]
+        with open(store.info["shm_path"], "r+b") as f:
+            raw = bytearray(f.read())
+            i = raw.find(b"KVB1")
+            while i != -1:
+                raw[i + 64 + 100] ^= 0xFF
+                i = raw.find(b"KVB1", i + 4)
+            f.seek(0)
+            f.write(raw)
+        _, second = r.complete(ids, max_tokens=8, ignore_eos=True)
+        assert second["output_ids"] == first["output_ids"] == reference(ids, 8)
+        # Each damaged block is caught by its checksum: the load stops there (the prefill worker
+        # then stores block 0 afresh, so the decode worker gets exactly that one back).
+        assert second["tokens_loaded"] == 0 and second["decode_tokens_loaded"] <= BS
+        # Now the store is gone altogether.
+        store.kill()
+        _, third = r.complete(ids + [5], max_tokens=8, ignore_eos=True)
+        assert third["output_ids"] == reference(ids + [5], 8)
+        assert third["tokens_loaded"] == 0
+    finally:
+        r.close()
+
+
+def test_killed_decode_worker_fails_its_requests_clearly_and_new_ones_go_elsewhere(reference):
+    r = Running(DeploymentSpec(model="tiny", prefill=1, decode=2, store="embedded"))
+    try:
+        router = r.d.router
+        ids = prompt_ids(3 * BS, seed=5)
+        stream = r.client.completions.create(
+            model="kvstore-llama",
+            prompt=ids,
+            max_tokens=900,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        it = iter(stream)
+        next(it)
+        next(it)  # decode has started
+        busy = [w for w in router.workers if w.role == "decode" and w.active]
+        assert len(busy) == 1
+        victim = next(c for c in r.d.children if c.info.get("url") == busy[0].url)
+        victim.kill()
+        with pytest.raises(openai.APIError) as ei:
+            for _ in it:
+                pass
+        assert "decode worker" in str(ei.value) and "failed" in str(ei.value)
+        # New requests are served by the other decode worker, correctly.
+        for seed in (11, 12):
+            q = prompt_ids(2 * BS + 3, seed=seed)
+            _, info = r.complete(q, max_tokens=6, ignore_eos=True)
+            assert info["decode_worker"] != busy[0].url
+            assert info["output_ids"] == reference(q, 6)
+    finally:
+        r.close()
+
+
+def test_colocated_mode_matches_too(reference):
+    r = Running(DeploymentSpec(model="tiny", colocated=1, store="embedded"))
+    try:
+        ids = prompt_ids(2 * BS + 7, seed=3)
+        _, info = r.complete(ids, max_tokens=8, ignore_eos=True)
+        assert "decode_worker" not in info and info["output_ids"] == reference(ids, 8)
+    finally:
+        r.close()
