@@ -1,0 +1,646 @@
+#!/usr/bin/env python3
+"""Cache-policy benchmark: prefix hit rate of the metadata service's eviction against plain
+block LRU and the offline optimum, on each workload's block-key stream.
+
+    python bench/policy.py                    # full: capacities 1k..100k blocks
+    python bench/policy.py --quick            # about a minute
+    python bench/policy.py --workload trace   # one workload (repeatable)
+
+For every request of a stream, in arrival order, each policy sees what a serving engine's
+connector does: look the prompt's block keys up (the leading run of stored keys is the prefix
+hit), then store the missing blocks. Prefix hit rate = leading-hit blocks / blocks requested,
+summed over requests. Three policies, one stream, one capacity of C blocks:
+
+- ``kvstore``: the real :class:`kvstore.meta.index.Index` with one daemon whose one DRAM segment
+  holds exactly C extents of ``BLOCK_BYTES``; per request ``acquire`` (the hit run), ``release``,
+  then ``put_start`` / ``put_commit`` of the request's whole chain (stored keys come back as
+  skips; the missing ones are allocated, evicting as the index decides).
+- ``lru``: an independent block LRU (an OrderedDict): the hit is the leading run of present
+  blocks, then every block of the request is touched in request order, missing ones inserted,
+  the least recent evicted.
+- ``optimal``: Belady's MIN with bypass: on a miss with the cache full, the block (the incoming
+  one included) whose next use is furthest away is not kept. Keys are chained, so a block's
+  next use always comes after its parent's: MIN never keeps a block whose parent it dropped,
+  its block hits are its prefix hits, and no policy with C blocks gets more prefix hits.
+
+Writes bench/results/policy.json, bench/results/policy_hit_rate.png and the "policy" section of
+bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import inspect
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.report import update_section  # noqa: E402
+from bench.workloads import Workload, make  # noqa: E402
+from kvstore.errors import ResourceExhausted  # noqa: E402
+from kvstore.extent import extent_size  # noqa: E402
+from kvstore.meta.index import Clock, DaemonSpec, Index, SegmentSpec, Tier  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+SEED = 0
+# KV bytes of one 16-token block of the benchmark fingerprint: K and V x 32 layers x 8 KV heads
+# x 128 dims x 2 bytes (bf16) x 16 tokens.
+BLOCK_BYTES = 2 * 32 * 8 * 128 * 2 * 16
+FULL_CAPACITIES = (1_000, 3_000, 10_000, 30_000, 100_000)
+QUICK_CAPACITIES = (1_000, 3_000, 10_000)
+HIT_OVER_OPTIMAL_TARGET = 0.95
+POLICIES = ("kvstore", "lru", "optimal")
+
+# Workload arguments per mode. Full: the workloads at their defaults, the trace with every
+# request and 32 tokens per 512-token hash block (2 store blocks each). Quick: half the
+# token lengths and fewer sessions / documents / requests, the trace at 16 tokens per hash
+# block (one store block each, so capacities read as the trace README's hash-block counts).
+FULL = {
+    "chat": {},
+    "docqa": {},
+    "fewshot": {},
+    "trace": {"tokens_per_hash_block": 32},
+}
+QUICK = {
+    "chat": {"scale": 0.5, "sessions": 300},
+    "docqa": {"scale": 0.5, "docs": 120},
+    "fewshot": {"scale": 0.5, "requests_n": 800},
+    "trace": {"tokens_per_hash_block": 16},
+}
+
+
+# ---- streams ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """A workload's block-key stream, in the forms the three policies want.
+
+    ``packed[r]`` is request r's keys as N x 16 bytes; ``flat[offsets[r]:offsets[r+1]]`` are the
+    same keys as small ints (equal keys, equal ints). Requests without a full block are dropped.
+    """
+
+    name: str
+    packed: list[bytes]
+    flat: np.ndarray
+    offsets: np.ndarray
+    arrivals: list[float]
+    scaling: str = ""
+
+    @classmethod
+    def from_keys(
+        cls, name: str, keys: Sequence[Sequence[bytes]], arrivals: Sequence[float] | None = None, scaling: str = ""
+    ) -> Stream:
+        ids: dict[bytes, int] = {}
+        flat: list[int] = []
+        offsets = [0]
+        packed = []
+        kept_arrivals = []
+        for r, ks in enumerate(keys):
+            if not ks:
+                continue
+            flat.extend(ids.setdefault(k, len(ids)) for k in ks)
+            offsets.append(len(flat))
+            packed.append(b"".join(ks))
+            kept_arrivals.append(float(arrivals[r]) if arrivals is not None else float(r))
+        return cls(name, packed, np.array(flat, np.int64), np.array(offsets, np.int64), kept_arrivals, scaling)
+
+    @classmethod
+    def from_workload(cls, w: Workload) -> Stream:
+        return cls.from_keys(w.name, w.block_keys(), w.arrivals(), w.scaling() if w.is_scaled() else "")
+
+    @property
+    def requests(self) -> int:
+        return len(self.packed)
+
+    @property
+    def refs(self) -> int:
+        return int(self.offsets[-1])
+
+    def request_ids(self) -> list[list[int]]:
+        flat = self.flat.tolist()
+        off = self.offsets.tolist()
+        return [flat[off[i] : off[i + 1]] for i in range(len(off) - 1)]
+
+    def profile(self) -> dict:
+        """Sizes, and the compulsory-miss bound: the prefix hit rate of an unbounded cache."""
+        counts = np.bincount(self.flat) if self.refs else np.zeros(0, np.int64)
+        distinct = int(counts.size)
+        return {
+            "requests": self.requests,
+            "block_refs": self.refs,
+            "distinct_blocks": distinct,
+            "bound_hit_rate": round((self.refs - distinct) / self.refs, 4) if self.refs else 0.0,
+            "one_shot_block_share": round(float((counts == 1).sum()) / distinct, 4) if distinct else 0.0,
+        }
+
+
+# ---- policies --------------------------------------------------------------------------------
+
+
+class _FrozenClock(Clock):
+    """Time that moves only with the stream's arrivals: no lease or put ever expires mid-run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+_PUT_HAS_CHAIN = "chain" in inspect.signature(Index.put_start).parameters
+
+
+def make_index(capacity: int, block_bytes: int = BLOCK_BYTES) -> Index:
+    """An index with one daemon whose one DRAM segment holds exactly ``capacity`` blocks."""
+    idx = Index(clock=_FrozenClock())
+    seg = SegmentSpec(1, Tier.DRAM, capacity * extent_size(block_bytes))
+    idx.register_daemon(DaemonSpec("bench-daemon", "bench-host", "", "", (seg,)), {})
+    return idx
+
+
+def kvstore_hits(stream: Stream, capacity: int, whole_chain: bool = True, index: Index | None = None) -> dict:
+    """Replays ``stream`` through the metadata service's index (see the module docstring).
+
+    ``whole_chain=False`` puts only the missing suffix, as a connector that skips what it
+    loaded would. Returns hits and the index's own counters.
+    """
+    idx = index or make_index(capacity)
+    clock = idx.clock
+    sizes_cache: dict[int, list[int]] = {}
+    extra = {"chain": True} if _PUT_HAS_CHAIN else {}
+    hits = 0
+    for packed, t in zip(stream.packed, stream.arrivals):
+        clock.t = t  # type: ignore[attr-defined]
+        n = len(packed) // 16
+        got = idx.acquire(packed)
+        h = got.hit_count
+        hits += h
+        if got.lease_id:
+            idx.release(got.lease_id)
+        if h == n:
+            continue
+        keys = packed if whole_chain else packed[h * 16 :]
+        m = len(keys) // 16
+        sizes = sizes_cache.get(m) or sizes_cache.setdefault(m, [BLOCK_BYTES] * m)
+        try:
+            put = idx.put_start(keys, sizes, host_id="bench-host", **extra)
+        except ResourceExhausted:  # the stored run fills the segment: nothing can be added
+            continue
+        if put.placements:
+            idx.put_commit(put.put_id, [0] * len(put.placements))
+    c = idx.counters
+    return {"hits": hits, "inserted": c["put_keys"], "evictions": c["evictions"], "no_space_keys": c["no_space_keys"]}
+
+
+def lru_hits(requests: Sequence[Sequence[int]], capacity: int) -> dict:
+    """Plain block LRU. ``requests``: per request, its block ids in chain order."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = inserted = 0
+    for ids in requests:
+        for b in ids:
+            if b not in cache:
+                break
+            hits += 1
+        for b in ids:
+            if b in cache:
+                cache.move_to_end(b)
+                continue
+            if len(cache) >= capacity:
+                cache.popitem(last=False)
+            cache[b] = None
+            inserted += 1
+    return {"hits": hits, "inserted": inserted}
+
+
+def next_uses(flat: np.ndarray) -> np.ndarray:
+    """For each position of ``flat``, the position of the same id's next occurrence (``len(flat)``
+    when there is none)."""
+    n = flat.size
+    order = np.lexsort((np.arange(n), flat))  # by id, then by position
+    nxt = np.full(n, n, np.int64)
+    same = flat[order[1:]] == flat[order[:-1]]
+    nxt[order[:-1][same]] = order[1:][same]
+    return nxt
+
+
+def optimal_hits(flat: np.ndarray, offsets: np.ndarray, capacity: int, nxt: np.ndarray | None = None) -> dict:
+    """Belady's MIN with bypass over the block stream, prefix hits counted per request.
+
+    ``block_hits`` (every present block, leading or not) is returned too: it equals ``hits``
+    because the MIN cache stays prefix-closed for blocks that have a future use.
+    """
+    n = int(flat.size)
+    if nxt is None:
+        nxt = next_uses(flat)
+    ids = flat.tolist()
+    nx = nxt.tolist()
+    off = offsets.tolist()
+    cached: dict[int, int] = {}  # id -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, id), stale entries skipped lazily
+    hits = block_hits = inserted = 0
+    push, pop = heapq.heappush, heapq.heappop
+    for r in range(len(off) - 1):
+        lo, hi = off[r], off[r + 1]
+        j = lo
+        while j < hi and ids[j] in cached:
+            j += 1
+        hits += j - lo
+        for p in range(lo, hi):
+            b, u = ids[p], nx[p]
+            if b in cached:
+                block_hits += 1
+                cached[b] = u
+                push(heap, (-u, b))
+                continue
+            if u == n:  # never used again: keeping it cannot pay
+                continue
+            if len(cached) >= capacity:
+                while cached.get(heap[0][1]) != -heap[0][0]:
+                    pop(heap)
+                if -heap[0][0] < u:  # everything kept is needed sooner: bypass
+                    continue
+                del cached[pop(heap)[1]]
+            cached[b] = u
+            push(heap, (-u, b))
+            inserted += 1
+        if len(heap) > 4 * len(cached) + 4096:
+            heap = [(-u, b) for b, u in cached.items()]
+            heapq.heapify(heap)
+    return {"hits": hits, "block_hits": block_hits, "inserted": inserted}
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+_STREAMS: dict[str, Stream] = {}  # set before the pool forks: workers read it, never pickle it
+
+
+def _task(name: str, capacity: int, policy: str) -> tuple[str, int, str, dict, float]:
+    s = _STREAMS[name]
+    t0 = time.perf_counter()
+    if policy == "kvstore":
+        out = kvstore_hits(s, capacity)
+    elif policy == "kvstore_suffix":
+        out = kvstore_hits(s, capacity, whole_chain=False)
+    elif policy == "lru":
+        out = lru_hits(s.request_ids(), capacity)
+    elif policy == "optimal":
+        out = optimal_hits(s.flat, s.offsets, capacity)
+    else:
+        raise ValueError(f"unknown policy {policy!r}")
+    return name, capacity, policy, out, time.perf_counter() - t0
+
+
+def summarize(stream: Stream, capacity: int, raw: dict[str, dict]) -> dict:
+    """One capacity's row: the three hit rates and the ratios the targets are stated in."""
+    refs = stream.refs
+    rate = {p: raw[p]["hits"] / refs if refs else 0.0 for p in raw}
+    opt = rate["optimal"]
+    row = {
+        "capacity": capacity,
+        "hit_rate": round(rate["kvstore"], 4),
+        "lru_hit_rate": round(rate["lru"], 4),
+        "optimal_hit_rate": round(opt, 4),
+        "hit_over_optimal": round(rate["kvstore"] / opt, 4) if opt else 1.0,
+        "lru_over_optimal": round(rate["lru"] / opt, 4) if opt else 1.0,
+        "hits": {p: raw[p]["hits"] for p in raw},
+        "inserted": {p: raw[p]["inserted"] for p in raw},
+        "kvstore_evictions": raw["kvstore"]["evictions"],
+    }
+    if "kvstore_suffix" in raw:
+        row["suffix_put_hit_rate"] = round(rate["kvstore_suffix"], 4)
+    row["meets_optimal_target"] = row["hit_over_optimal"] >= HIT_OVER_OPTIMAL_TARGET
+    lru_below = raw["lru"]["hits"] < raw["optimal"]["hits"]
+    row["meets_lru_target"] = (raw["kvstore"]["hits"] > raw["lru"]["hits"]) if lru_below else True
+    return row
+
+
+def run(
+    quick: bool = False,
+    workloads: Sequence[str] | None = None,
+    capacities: Sequence[int] | None = None,
+    jobs: int | None = None,
+    suffix_put: bool = False,
+    overrides: dict[str, dict] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Runs the benchmark and returns its result (what policy.json holds); writes nothing.
+
+    ``overrides`` replaces a workload's arguments (``{"chat": {"sessions": 10}}``);
+    ``suffix_put`` adds a kvstore run whose connector puts only the missing suffix.
+    """
+    profile = QUICK if quick else FULL
+    names = list(workloads or profile)
+    caps = sorted(capacities or (QUICK_CAPACITIES if quick else FULL_CAPACITIES))
+    policies = POLICIES + (("kvstore_suffix",) if suffix_put else ())
+    jobs = jobs or min(2, os.cpu_count() or 1)
+    result: dict = {
+        "quick": quick,
+        "seed": SEED,
+        "block_bytes": BLOCK_BYTES,
+        "capacities": caps,
+        "targets": {"hit_over_optimal": HIT_OVER_OPTIMAL_TARGET, "hit_rate_over_lru_where_lru_below_optimal": True},
+        "workloads": {},
+    }
+    t_build = time.perf_counter()
+    for name in tqdm(names, desc="streams", unit="workload", disable=not progress):
+        kwargs = {**profile.get(name, {}), **((overrides or {}).get(name, {}))}
+        w = make(name, seed=SEED, **kwargs)
+        _STREAMS[name] = s = Stream.from_workload(w)
+        result["workloads"][name] = {"scaling": s.scaling or "unscaled", "args": kwargs, **s.profile()}
+    result["stream_build_s"] = round(time.perf_counter() - t_build, 1)
+
+    tasks = [(n, c, p) for n in names for c in caps for p in policies]
+    # Longest first (kvstore is the slowest, long streams before short) so two workers finish together.
+    cost = {"kvstore": 4, "kvstore_suffix": 4, "optimal": 2, "lru": 1}
+    tasks.sort(key=lambda t: -_STREAMS[t[0]].refs * cost[t[2]])
+    raw: dict[tuple[str, int], dict[str, dict]] = {}
+    seconds: dict[str, float] = dict.fromkeys(policies, 0.0)
+    t_run = time.perf_counter()
+    with tqdm(total=len(tasks), desc="policy", unit="run", disable=not progress) as bar:
+        if jobs > 1:
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+                futs = [pool.submit(_task, *t) for t in tasks]
+                for f in as_completed(futs):
+                    n, c, p, out, dt = f.result()
+                    raw.setdefault((n, c), {})[p] = out
+                    seconds[p] += dt
+                    bar.set_postfix_str(f"{n} {c} {p}")
+                    bar.update(1)
+        else:
+            for t in tasks:
+                n, c, p, out, dt = _task(*t)
+                raw.setdefault((n, c), {})[p] = out
+                seconds[p] += dt
+                bar.set_postfix_str(f"{n} {c} {p}")
+                bar.update(1)
+    result["policy_cpu_s"] = {p: round(v, 1) for p, v in seconds.items()}
+    result["run_s"] = round(time.perf_counter() - t_run, 1)
+    for name in names:
+        rows = [summarize(_STREAMS[name], c, raw[(name, c)]) for c in caps]
+        result["workloads"][name]["rows"] = rows
+    result["missed"] = missed_targets(result)
+    _STREAMS.clear()
+    return result
+
+
+def missed_targets(result: dict) -> list[dict]:
+    """Every (workload, capacity) where a target is missed, with the measured value and by how much."""
+    out = []
+    for name, w in result["workloads"].items():
+        for r in w["rows"]:
+            where = {"workload": name, "capacity": r["capacity"]}
+            if not r["meets_optimal_target"]:
+                gap = round(HIT_OVER_OPTIMAL_TARGET - r["hit_over_optimal"], 4)
+                out.append({**where, "target": "hit_over_optimal", "measured": r["hit_over_optimal"], "shortfall": gap})
+            if not r["meets_lru_target"]:
+                diff = round(r["hit_rate"] - r["lru_hit_rate"], 4)
+                out.append({**where, "target": "hit_rate > lru_hit_rate", "measured": diff, "shortfall": -diff})
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()} {platform.release()}"
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(result["workloads"])
+    cols = min(2, len(names))
+    rows = (len(names) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        w = result["workloads"][name]
+        caps = [r["capacity"] for r in w["rows"]]
+        ax.plot(caps, [r["optimal_hit_rate"] for r in w["rows"]], "k--", label="optimal (MIN)")
+        ax.plot(caps, [r["lru_hit_rate"] for r in w["rows"]], "s-", color="tab:orange", ms=8, label="block LRU")
+        ax.plot(caps, [r["hit_rate"] for r in w["rows"]], "o-", color="tab:blue", ms=4, label="kvstore index")
+        if w["rows"] and "suffix_put_hit_rate" in w["rows"][0]:
+            ax.plot(
+                caps,
+                [r["suffix_put_hit_rate"] for r in w["rows"]],
+                "x:",
+                color="tab:green",
+                label="kvstore, suffix put",
+            )
+        ax.axhline(w["bound_hit_rate"], color="grey", lw=0.8, ls=":", label="compulsory-miss bound")
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("capacity (16-token blocks)")
+        ax.set_ylabel("prefix hit rate")
+        ax.set_title(f"{name} ({w['block_refs']:,} block refs, {w['distinct_blocks']:,} distinct)", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    fig.suptitle("prefix hit rate vs capacity" + (" (--quick)" if result["quick"] else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def render(r: dict, png: str | None) -> str:
+    lines = [
+        "## Cache policy: prefix hit rate against the offline optimum (`bench/policy.py`)",
+        "",
+        f"- Command: `{r['command']}`",
+        f"- Date: {r['date']}",
+        f"- Machine: {r['machine']}",
+        "- Setup: each workload's 16-token block-key stream replayed in arrival order through three policies of"
+        " C blocks: **kvstore** = the metadata service's `Index` (one daemon, one DRAM segment sized to exactly C"
+        f" extents of {r['block_bytes'] >> 20} MiB; per request `acquire` + `release`, then `put_start` + `put_commit`"
+        " of the request's chain), **LRU** = plain block LRU (touch in request order), **optimal** = Belady's MIN with"
+        " bypass (an upper bound on prefix hits for any policy of C blocks). Hit rate = leading-hit blocks / blocks"
+        f" requested. Seed {r['seed']}. Targets: kvstore/optimal >= {HIT_OVER_OPTIMAL_TARGET}; kvstore > LRU wherever"
+        " LRU is below the optimum.",
+        "",
+        "| workload | scaling | requests | block refs | distinct blocks | compulsory-miss bound | distinct blocks used once |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, w in r["workloads"].items():
+        scaling = w["scaling"].split(": ", 1)[-1]
+        lines.append(
+            f"| {name} | {scaling} | {w['requests']:,} | {w['block_refs']:,} | {w['distinct_blocks']:,} "
+            f"| {w['bound_hit_rate']:.3f} | {w['one_shot_block_share']:.0%} |"
+        )
+    suffix = any("suffix_put_hit_rate" in row for w in r["workloads"].values() for row in w["rows"])
+    head = "| workload | capacity | kvstore | LRU | optimal | **kvstore/optimal** | LRU/optimal | kvstore - LRU |"
+    lines += [
+        "",
+        head + (" suffix put |" if suffix else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if suffix else ""),
+    ]
+    for name, w in r["workloads"].items():
+        for row in w["rows"]:
+            flag = "" if row["meets_optimal_target"] else " (miss)"
+            lflag = "" if row["meets_lru_target"] else " (miss)"
+            line = (
+                f"| {name} | {row['capacity']:,} | {row['hit_rate']:.3f} | {row['lru_hit_rate']:.3f} "
+                f"| {row['optimal_hit_rate']:.3f} | **{row['hit_over_optimal']:.3f}**{flag} | {row['lru_over_optimal']:.3f} "
+                f"| {row['hit_rate'] - row['lru_hit_rate']:+.3f}{lflag} |"
+            )
+            if suffix:
+                line += f" {row.get('suffix_put_hit_rate', float('nan')):.3f} |"
+            lines.append(line)
+    missed = r["missed"]
+    n_rows = sum(len(w["rows"]) for w in r["workloads"].values())
+    opt_missed = [m for m in missed if m["target"] == "hit_over_optimal"]
+    lru_missed = [m for m in missed if m["target"] != "hit_over_optimal"]
+    lines += [
+        "",
+        f"kvstore/optimal >= {HIT_OVER_OPTIMAL_TARGET}: met at {n_rows - len(opt_missed)} of {n_rows} points"
+        + (
+            "; missed at " + ", ".join(f"{m['workload']} {m['capacity']:,} ({m['measured']:.3f})" for m in opt_missed)
+            if opt_missed
+            else ""
+        )
+        + ". kvstore > LRU where LRU is below the optimum: "
+        + (
+            "missed at " + ", ".join(f"{m['workload']} {m['capacity']:,} ({_lru_gap(m)})" for m in lru_missed)
+            if lru_missed
+            else "met everywhere"
+        )
+        + ".",
+    ]
+    if r.get("notes"):
+        lines += [""] + [f"- {n}" for n in r["notes"]]
+    if png:
+        lines += ["", f"![policy hit rate](results/{png})"]
+    return "\n".join(lines)
+
+
+def _lru_gap(m: dict) -> str:
+    return "equal hits" if m["shortfall"] == 0 else f"{-m['shortfall']:+.4f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="scaled-down workloads, capacities 1k..10k")
+    ap.add_argument("--workload", action="append", choices=sorted(FULL), help="only this workload (repeatable)")
+    ap.add_argument("--capacity", type=int, action="append", help="only this capacity in blocks (repeatable)")
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: up to 2)")
+    ap.add_argument("--suffix-put", action="store_true", help="also run kvstore with a suffix-only put")
+    ap.add_argument("--out", type=Path, default=RESULTS / "policy.json")
+    ap.add_argument("--no-report", action="store_true", help="do not rewrite bench/RESULTS.md")
+    ns = ap.parse_args(argv)
+    flags = ["--quick"] if ns.quick else []
+    flags += [f"--workload {w}" for w in ns.workload or []] + [f"--capacity {c}" for c in ns.capacity or []]
+    flags += ["--suffix-put"] if ns.suffix_put else []
+    cmd = " ".join(["python bench/policy.py", *flags])
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    t0 = time.perf_counter()
+    result = run(ns.quick, ns.workload, ns.capacity, ns.jobs, ns.suffix_put)
+    result = {
+        "command": cmd,
+        "date": date,
+        "machine": machine(),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        **result,
+    }
+    result["notes"] = notes(result)
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    ns.out.write_text(json.dumps(result, indent=2) + "\n")
+    png = ns.out.with_name("policy_hit_rate.png")
+    has_plot = plot(result, png)
+    for name, w in result["workloads"].items():
+        for row in w["rows"]:
+            print(
+                f"{name:8s} {row['capacity']:>7,}  kvstore {row['hit_rate']:.3f}  lru {row['lru_hit_rate']:.3f}  "
+                f"optimal {row['optimal_hit_rate']:.3f}  kvstore/optimal {row['hit_over_optimal']:.3f}"
+            )
+    print(f"wrote {ns.out} in {result['wall_s']} s")
+    if not ns.no_report:
+        update_section("policy", render(result, png.name if has_plot else None))
+    return 0
+
+
+def notes(result: dict) -> list[str]:
+    """Statements the numbers support, for the report: where the bound is reached, why the
+    targets are missed where they are."""
+    out = []
+    for name, w in result["workloads"].items():
+        bound_hits = w["block_refs"] - w["distinct_blocks"]
+        at_bound = [r["capacity"] for r in w["rows"] if all(r["hits"][p] == bound_hits for p in POLICIES)]
+        if at_bound:
+            out.append(
+                f"{name}: {w['distinct_blocks']:,} distinct blocks; from {min(at_bound):,} blocks on, all three policies"
+                f" sit at the compulsory-miss bound {w['bound_hit_rate']:.3f} (only first uses miss), so the ratios"
+                " there are 1 by construction."
+            )
+    misses = [m for m in result["missed"] if m["target"] == "hit_over_optimal"]
+    if misses:
+        worst = min(misses, key=lambda m: m["measured"])
+        w = result["workloads"][worst["workload"]]
+        row = next(r for r in w["rows"] if r["capacity"] == worst["capacity"])
+        ins_kv, ins_opt = row["inserted"]["kvstore"], row["inserted"]["optimal"]
+        out.append(
+            "Why kvstore/optimal falls short where it does: the cache is smaller than the workload's reuse working set,"
+            " and the index ranks blocks by recency alone and stores every missing block of every request. At"
+            f" {worst['workload']} {worst['capacity']:,} (kvstore/optimal {worst['measured']:.3f}) it stored"
+            f" {ins_kv:,} blocks where MIN kept {ins_opt:,} ({ins_kv / max(ins_opt, 1):.1f}x): each long prompt pushes"
+            f" out blocks that would have been read again, for blocks mostly never read again"
+            f" ({w['one_shot_block_share']:.0%} of that workload's distinct blocks are used once). MIN keeps a block only"
+            " if its next use comes before that of the block it would evict, which no recency order can know. The"
+            " index's tail-first chain order (a chain's head outlives its tail) is what puts it above plain LRU."
+        )
+    for m in result["missed"]:
+        if m["target"] != "hit_over_optimal":
+            row = next(r for r in result["workloads"][m["workload"]]["rows"] if r["capacity"] == m["capacity"])
+            out.append(
+                f"{m['workload']} {m['capacity']:,}: kvstore does not beat LRU ({row['hits']['kvstore']:,} against"
+                f" {row['hits']['lru']:,} prefix-hit blocks) while the optimum gets {row['hits']['optimal']:,}."
+            )
+    suffix = [
+        abs(r["suffix_put_hit_rate"] - r["hit_rate"])
+        for w in result["workloads"].values()
+        for r in w["rows"]
+        if "suffix_put_hit_rate" in r
+    ]
+    if suffix:
+        out.append(
+            "A connector that puts only the missing suffix (not the whole chain) changes the kvstore hit rate by at"
+            f" most {max(suffix):.4f}."
+        )
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
