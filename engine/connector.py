@@ -26,6 +26,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.hooks import LoadRequest, SavedBlocks
@@ -86,6 +87,8 @@ class StoreConnector:
         self.bandwidth = Ewma()  # bytes/s of loads, latency excluded
         self.latency = Ewma()  # seconds of a load's fixed cost (round trips)
         self.prefill_tps = Ewma()  # tokens/s the engine computes in prefill
+        self.effective_bandwidth = Ewma()  # bytes / total seconds of each load, round trips included
+        self._samples: deque[tuple[int, float]] = deque(maxlen=64)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
         self._pending: deque[Future] = deque()
         self._by_request: dict[int, list[Future]] = {}
@@ -153,12 +156,21 @@ class StoreConnector:
         return (first + got) * bs
 
     def _observe_load(self, nbytes: int, seconds: float) -> None:
-        # Split a load's time into a fixed part and a per-byte part: the fixed part is taken
-        # as the smallest load time seen, the rest as transfer.
-        lat = seconds if self.latency.value is None else min(self.latency.value * 1.05, seconds)
-        self.latency.update(lat)
-        transfer = max(seconds - (self.latency.value or 0.0), 1e-6)
-        self.bandwidth.update(nbytes / transfer)
+        """Splits load time into a fixed part (round trips) and a per-byte part by a least-squares
+        line over recent loads; until their sizes differ enough to fit one, all of it counts as
+        transfer (a conservative bandwidth)."""
+        self._samples.append((nbytes, seconds))
+        self.effective_bandwidth.update(nbytes / max(seconds, 1e-9))
+        xs = np.array([b for b, _ in self._samples], dtype=float)
+        ys = np.array([t for _, t in self._samples], dtype=float)
+        if len(xs) >= 4 and xs.std() > 0.2 * xs.mean():
+            slope, intercept = np.polyfit(xs, ys, 1)
+            if slope > 0:
+                self.latency.value = max(0.0, float(intercept))
+                self.bandwidth.value = 1.0 / float(slope)
+                return
+        self.latency.value = 0.0
+        self.bandwidth.value = self.effective_bandwidth.value
 
     def save(self, blocks: SavedBlocks) -> None:
         """The engine's save hook: copies the blocks out now, puts them in the background."""

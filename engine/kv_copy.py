@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -176,10 +177,12 @@ def _cupy_stream(handle: int, dev: int):
     s = _streams.get(key)
     if s is None:
         with cupy.cuda.Device(dev):
-            if hasattr(cupy.cuda.Stream, "from_external"):
+            try:  # CuPy >= 14: the CUDA stream protocol
                 s = cupy.cuda.Stream.from_external(_StreamHandle(handle))
-            else:  # CuPy < 14
-                s = cupy.cuda.ExternalStream(handle, dev)
+            except (AttributeError, TypeError):  # older CuPy
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    s = cupy.cuda.ExternalStream(handle, dev)
         with _lock:
             if len(_streams) > 256:
                 _streams.clear()
@@ -203,13 +206,6 @@ def stream_handle(stream: Any, device: torch.device) -> int:
     raise InvalidRequest(
         f"stream must be a torch or CuPy CUDA stream, a raw handle or None, got {type(stream).__name__}"
     )
-
-
-def _torch_stream(handle: int, device: torch.device) -> torch.cuda.Stream:
-    cur = torch.cuda.current_stream(device)
-    if cur.cuda_stream == handle:
-        return cur
-    return torch.cuda.ExternalStream(handle, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,9 +272,10 @@ def _range_error(ids: np.ndarray | torch.Tensor, num_blocks: int) -> InvalidRequ
     return InvalidRequest(f"block id {int(ids[pos])} (position {pos}) is outside [0, {num_blocks})")
 
 
-def _check_ids(block_ids: Any, num_blocks: int, device: torch.device, *, unique: bool) -> torch.Tensor:
-    """A 1-D int32 or int64 tensor on ``device`` with every id in [0, num_blocks) (and distinct
-    when ``unique``). int32 input stays int32 (the kernels take both); other integers become int64."""
+def _check_ids(block_ids: Any, num_blocks: int, *, unique: bool) -> torch.Tensor:
+    """A contiguous 1-D int32 or int64 tensor (where the ids were given: host, or a GPU) with every id
+    in [0, num_blocks), distinct when ``unique``. int32 stays int32 (the kernels take both); other
+    integer types become int64."""
     if isinstance(block_ids, torch.Tensor | np.ndarray) or hasattr(block_ids, "__dlpack__"):
         if isinstance(block_ids, np.ndarray):
             arr = block_ids
@@ -320,8 +317,6 @@ def _check_ids(block_ids: Any, num_blocks: int, device: torch.device, *, unique:
         if int(counts.max()) > 1:
             dup = int(u[counts > 1][0])
             raise InvalidRequest(f"block id {dup} appears more than once: a scatter writes each block once")
-    if t.device != device:
-        t = t.to(device)
     return t.contiguous()
 
 
@@ -373,11 +368,29 @@ def _use_kernels(cache_t: torch.Tensor, backend: str) -> bool:
         if backend == "cuda":
             raise InvalidRequest(f"backend='cuda' needs a cache on a CUDA GPU, the cache is on {cache_t.device}")
         return False
-    if cupy_usable():
+    why = kernels_unavailable_reason(cache_t.device.index)
+    if not why:
         return True
     if backend == "cuda":
-        raise RuntimeError(f"backend='cuda' asked for, but {cupy_unusable_reason()}")
+        raise RuntimeError(f"backend='cuda' asked for, but {why}")
     return False
+
+
+def kernels_unavailable_reason(device: int | torch.device | None = None) -> str:
+    """ "" when the CUDA kernels are compiled (or compile now) for ``device``, else why not. A
+    failure is reported once as a RuntimeWarning; ``backend="auto"`` then uses torch."""
+    if not cupy_usable():
+        return cupy_unusable_reason()
+    dev = _device_index(device)
+    key = f"compile:{dev}"
+    if key not in _cupy_state:
+        try:
+            load_module(dev)
+            _cupy_state[key] = ""
+        except Exception as e:  # no NVRTC, or a compile error
+            _cupy_state[key] = f"cuda/kv_copy.cu does not compile on device {dev}: {type(e).__name__}: {e}"
+            warnings.warn(_cupy_state[key] + "; falling back to torch", RuntimeWarning, stacklevel=3)
+    return _cupy_state[key]
 
 
 def _row_shape(cache_t: torch.Tensor, layer: int | None) -> tuple[int, ...]:
@@ -389,22 +402,35 @@ def _row_shape(cache_t: torch.Tensor, layer: int | None) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch(op: str, cache_t: torch.Tensor, buf_ptr: int, ids_t: torch.Tensor, layer: int | None, handle: int) -> None:
-    import cupy
-
-    dev = cache_t.device.index
+def launch_plan(
+    op: str, cache_t: torch.Tensor, buf_ptr: int, ids_t: torch.Tensor, layer: int | None
+) -> tuple[str, tuple[int, int, int], tuple[int, int, int], tuple[int, ...]]:
+    """(kernel name, grid, block, arguments) of one copy: one CTA per ``CHUNK_BYTES`` of a row
+    along x, one row per CTA along y (capped; the kernels loop over the rest). Arguments in the
+    kernels' order: cache, staging, ids pointers, then rows, num_blocks, block_bytes[, layer,
+    layer_bytes]."""
     n = ids_t.numel()
     num_blocks, num_layers = cache_t.shape[0], cache_t.shape[1]
     block_bytes = cache_t.stride(0) * cache_t.element_size()
     row_bytes = block_bytes if layer is None else block_bytes // num_layers
-    fn = _function(dev, kernel_name(op, "blocks" if layer is None else "layer", cache_t.dtype, ids_t.dtype))
-    grid = (max(1, -(-row_bytes // CHUNK_BYTES)), min(n, MAX_GRID_Y), 1)
-    args = [np.uint64(cache_t.data_ptr()), np.uint64(buf_ptr), np.uint64(ids_t.data_ptr()),
-            np.int64(n), np.int64(num_blocks), np.int64(block_bytes)]  # fmt: skip
+    name = kernel_name(op, "blocks" if layer is None else "layer", cache_t.dtype, ids_t.dtype)
+    grid = (max(1, -(-row_bytes // CHUNK_BYTES)), max(1, min(n, MAX_GRID_Y)), 1)
+    args = (cache_t.data_ptr(), buf_ptr, ids_t.data_ptr(), n, num_blocks, block_bytes)
     if layer is not None:
-        args += [np.int64(layer), np.int64(row_bytes)]
+        args += (layer, row_bytes)
+    return name, grid, (THREADS, 1, 1), args
+
+
+def _launch(op: str, cache_t: torch.Tensor, buf_ptr: int, ids_t: torch.Tensor, layer: int | None, handle: int) -> None:
+    import cupy
+
+    dev = cache_t.device.index
+    name, grid, block, args = launch_plan(op, cache_t, buf_ptr, ids_t, layer)
+    fn = _function(dev, name)
+    # pointers as 8-byte unsigned, sizes as 8-byte signed: exactly the kernels' parameter types
+    packed = tuple(np.uint64(a) for a in args[:3]) + tuple(np.int64(a) for a in args[3:])
     with cupy.cuda.Device(dev), _cupy_stream(handle, dev):
-        fn(grid, (THREADS, 1, 1), tuple(args))
+        fn(grid, block, packed)
 
 
 def _memcpy_async(dst: int, src: int, nbytes: int, handle: int, dev: int) -> None:
@@ -414,15 +440,9 @@ def _memcpy_async(dst: int, src: int, nbytes: int, handle: int, dev: int) -> Non
         cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, cupy.cuda.runtime.memcpyDefault, handle)
 
 
-def _keep_alive(t: torch.Tensor, handle: int, device: torch.device) -> None:
-    """Tell torch's caching allocator that ``t`` is in use on the stream ``handle`` (a no-op when that
-    is the current stream), so its memory is not handed out again before the copy has run."""
-    s = _torch_stream(handle, device)
-    if s.cuda_stream != torch.cuda.current_stream(device).cuda_stream:
-        t.record_stream(s)
-
-
 def _scratch(cache_t: torch.Tensor, shape: tuple[int, ...], scratch: Any) -> torch.Tensor:
+    """A device buffer for ``mode="device"``: the caller's ``scratch`` (checked), else a new one from
+    torch's caching allocator (call under the launch stream, so its reuse is ordered on it)."""
     if scratch is None:
         return torch.empty(shape, dtype=cache_t.dtype, device=cache_t.device)
     s, _ = _as_tensor(scratch, "scratch")
@@ -430,6 +450,24 @@ def _scratch(cache_t: torch.Tensor, shape: tuple[int, ...], scratch: Any) -> tor
     if s.device != cache_t.device or not s.is_contiguous() or s.numel() * s.element_size() < nbytes:
         raise InvalidRequest(f"scratch must be a contiguous buffer of at least {nbytes} bytes on {cache_t.device}")
     return s.reshape(-1).view(torch.uint8)[:nbytes].view(cache_t.dtype).view(shape)
+
+
+def _resolve_stream(stream: Any, cache_t: torch.Tensor, cache_kind: str) -> tuple[int, torch.cuda.Stream]:
+    """The launch stream as a raw handle and as a torch stream. Default: the current stream of the
+    library the cache came from (torch, or CuPy for DLPack arrays)."""
+    if stream is None and cache_kind != "torch":
+        stream = _cupy_current()
+    handle = stream_handle(stream, cache_t.device)
+    return handle, _torch_stream(handle, cache_t.device)
+
+
+def _torch_stream(handle: int, device: torch.device) -> torch.cuda.Stream:
+    cur = torch.cuda.current_stream(device)
+    if cur.cuda_stream == handle:
+        return cur
+    if handle == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(handle, device=device)
 
 
 def gather(
@@ -451,35 +489,44 @@ def gather(
     returned when ``out`` is None (a CuPy array when the cache is one), else ``out`` itself."""
     cache_t, cache_kind = _check_cache(cache)
     layer = _check_layer(layer, cache_t.shape[1])
-    ids_t = _check_ids(block_ids, cache_t.shape[0], cache_t.device, unique=False)
+    ids_t = _check_ids(block_ids, cache_t.shape[0], unique=False)
     shape = (ids_t.numel(), *_row_shape(cache_t, layer))
-    if out is None:
-        out_t, host = torch.empty(shape, dtype=cache_t.dtype, device=cache_t.device), False
-    else:
-        out_t, host = _check_buffer(out, "out", cache_t, shape, writable=True)
+    out_t, host = (None, False) if out is None else _check_buffer(out, "out", cache_t, shape, writable=True)
     mode = _check_mode(mode)
     use_kernels = _use_kernels(cache_t, backend)
     if host and mode == "mapped" and not out_t.is_pinned():
         raise InvalidRequest("mode='mapped' needs pinned host memory for out (see engine.staging.StagingPool)")
 
-    if ids_t.numel():
-        if cache_t.device.type == "cpu":
+    if cache_t.device.type == "cpu":
+        if out_t is None:
+            out_t = torch.empty(shape, dtype=cache_t.dtype)
+        if ids_t.numel():
             view = cache_t if layer is None else cache_t[:, layer]
-            torch.index_select(view, 0, ids_t, out=out_t)
-        else:
-            handle = stream_handle(
-                stream if stream is not None or cache_kind == "torch" else _cupy_current(), cache_t.device
-            )
-            if use_kernels:
-                _gather_cuda(cache_t, ids_t, out_t, layer, handle, host, mode, scratch)
+            torch.index_select(view, 0, ids_t.cpu(), out=out_t)
+    else:
+        handle, tstream = _resolve_stream(stream, cache_t, cache_kind)
+        # Everything allocated here (ids on the device, out, scratch) belongs to the launch stream,
+        # so the caching allocator orders its reuse after this copy.
+        with torch.cuda.stream(tstream):
+            ids_t = ids_t.to(cache_t.device)
+            if out_t is None:
+                out_t = torch.empty(shape, dtype=cache_t.dtype, device=cache_t.device)
+            if not ids_t.numel():
+                pass
+            elif use_kernels:
+                if host and mode == "device":
+                    tmp = _scratch(cache_t, shape, scratch)
+                    _launch("gather", cache_t, tmp.data_ptr(), ids_t, layer, handle)
+                    _memcpy_async(out_t.data_ptr(), tmp.data_ptr(), tmp.numel() * tmp.element_size(), handle,
+                                  cache_t.device.index)  # fmt: skip
+                else:  # device out, or pinned host out written in place
+                    _launch("gather", cache_t, out_t.data_ptr(), ids_t, layer, handle)
             else:
-                with torch.cuda.stream(_torch_stream(handle, cache_t.device)):
-                    view = cache_t if layer is None else cache_t[:, layer]
-                    if host:
-                        out_t.copy_(view.index_select(0, ids_t), non_blocking=True)
-                    else:
-                        torch.index_select(view, 0, ids_t, out=out_t)
-            _keep_alive(ids_t, handle, cache_t.device)
+                view = cache_t if layer is None else cache_t[:, layer]
+                if host:
+                    out_t.copy_(view.index_select(0, ids_t), non_blocking=True)
+                else:
+                    torch.index_select(view, 0, ids_t, out=out_t)
 
     if out is not None:
         return out
@@ -488,17 +535,6 @@ def gather(
 
         return cupy.from_dlpack(out_t)
     return out_t
-
-
-def _gather_cuda(cache_t, ids_t, out_t, layer, handle, host, mode, scratch) -> None:
-    dev = cache_t.device.index
-    if not host or mode == "mapped":
-        _launch("gather", cache_t, out_t.data_ptr(), ids_t, layer, handle)
-        return
-    tmp = _scratch(cache_t, tuple(out_t.shape), scratch)
-    _launch("gather", cache_t, tmp.data_ptr(), ids_t, layer, handle)
-    _memcpy_async(out_t.data_ptr(), tmp.data_ptr(), out_t.numel() * out_t.element_size(), handle, dev)
-    _keep_alive(tmp, handle, cache_t.device)
 
 
 def scatter(
@@ -517,7 +553,7 @@ def scatter(
     distinct. Nothing is written when any argument is refused."""
     cache_t, cache_kind = _check_cache(cache)
     layer = _check_layer(layer, cache_t.shape[1])
-    ids_t = _check_ids(block_ids, cache_t.shape[0], cache_t.device, unique=True)
+    ids_t = _check_ids(block_ids, cache_t.shape[0], unique=True)
     shape = (ids_t.numel(), *_row_shape(cache_t, layer))
     src_t, host = _check_buffer(src, "src", cache_t, shape, writable=False)
     mode = _check_mode(mode)
@@ -529,23 +565,22 @@ def scatter(
 
     if cache_t.device.type == "cpu":
         view = cache_t if layer is None else cache_t[:, layer]
-        view.index_copy_(0, ids_t.long(), src_t)
+        view.index_copy_(0, ids_t.cpu().long(), src_t)
         return
-    handle = stream_handle(stream if stream is not None or cache_kind == "torch" else _cupy_current(), cache_t.device)
-    if use_kernels:
-        if not host or mode == "mapped":
-            _launch("scatter", cache_t, src_t.data_ptr(), ids_t, layer, handle)
+    handle, tstream = _resolve_stream(stream, cache_t, cache_kind)
+    with torch.cuda.stream(tstream):
+        ids_t = ids_t.to(cache_t.device)
+        if use_kernels:
+            if host and mode == "device":
+                tmp = _scratch(cache_t, shape, scratch)
+                _memcpy_async(tmp.data_ptr(), src_t.data_ptr(), tmp.numel() * tmp.element_size(), handle,
+                              cache_t.device.index)  # fmt: skip
+                _launch("scatter", cache_t, tmp.data_ptr(), ids_t, layer, handle)
+            else:  # device src, or pinned host src read in place
+                _launch("scatter", cache_t, src_t.data_ptr(), ids_t, layer, handle)
         else:
-            tmp = _scratch(cache_t, shape, scratch)
-            _memcpy_async(tmp.data_ptr(), src_t.data_ptr(), src_t.numel() * src_t.element_size(), handle,
-                          cache_t.device.index)  # fmt: skip
-            _launch("scatter", cache_t, tmp.data_ptr(), ids_t, layer, handle)
-            _keep_alive(tmp, handle, cache_t.device)
-    else:
-        with torch.cuda.stream(_torch_stream(handle, cache_t.device)):
             view = cache_t if layer is None else cache_t[:, layer]
             view.index_copy_(0, ids_t.long(), src_t.to(cache_t.device, non_blocking=True) if host else src_t)
-    _keep_alive(ids_t, handle, cache_t.device)
 
 
 def _cupy_current():

@@ -36,6 +36,7 @@ class DeploymentSpec:
     colocated: int = 0
     store: str = "embedded"  # "embedded", "none" or a metadata service address
     dram: str = "512MiB"
+    store_args: list[str] = field(default_factory=list)  # extra `kvstore serve` flags (e.g. an SSD segment)
     num_blocks: int = 1024
     prefix_cache: bool = True
     load_policy: str = "auto"
@@ -65,7 +66,7 @@ class Deployment:
         if s.store == "embedded":
             store = await asyncio.to_thread(
                 start, ["serve", "--listen", "127.0.0.1:0", "--dram", s.dram, "--data-dir", str(self.dir / "store"),
-                        "--log-level", "warning"], "store", stderr=self._log("store"),
+                        "--log-level", "warning", *s.store_args], "store", stderr=self._log("store"),
             )  # fmt: skip
             self.children.append(store)
             self.store_addr = store.info["meta"]

@@ -212,6 +212,8 @@ class Worker:
             "prefill_tps": self.compute_tps,
             "store_bandwidth": None if c is None else c.bandwidth.value,
             "store_latency": None if c is None else c.latency.value,
+            "store_effective_bandwidth": None if c is None else c.effective_bandwidth.value,
+            "store_tokens_loaded": None if c is None else c.stats.tokens_loaded,
             "block_bytes": self.engine.kv_cache.block_nbytes,
             "block_size": self.engine.config.block_size,
             "step_s": self.step_seconds / self.steps if self.steps else None,

@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""System level: the engine served with and without the store, on prefix-heavy workloads.
+
+    python bench/engine_reuse.py            # full size
+    python bench/engine_reuse.py --quick    # a few minutes on 2 cores
+
+Each configuration is a real deployment (``engine.serve.Deployment``: store process, worker
+processes, router) driven over HTTP. Three parts, one run:
+
+1. **Reuse vs recompute** on a multi-turn chat workload (a shared system prompt, growing
+   histories), requests one at a time in arrival order, for: no cache; the engine's local
+   prefix cache only; kvstore DRAM (local caches off, so all reuse goes through the store);
+   kvstore DRAM + SSD (a DRAM segment too small for the working set). TTFT p50/p99, TPOT, and
+   ``ttft_over_bound`` = TTFT with reuse / (compute time of the uncached tokens + cached bytes /
+   measured store bandwidth), with compute speed measured by the no-cache run and bandwidth by
+   the workers (target <= 1.25).
+2. **Goodput** on a shared few-shot prefix workload, open-loop Poisson arrivals at increasing
+   rates: the highest rate at which 90 % of requests meet both the TTFT and the TPOT target
+   (DistServe's definition), for disaggregated (2 prefill + 1 decode) vs colocated (3 workers),
+   each with the cache-aware router and with round-robin.
+3. **Sessions**: how many concurrent multi-turn sessions stay under the TTFT target at p95,
+   with kvstore vs without any cache.
+
+Writes bench/results/engine.json, PNG plots (TTFT CDF, goodput vs rate) and the "engine"
+section of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.report import update_section  # noqa: E402
+from bench.store_throughput import machine  # noqa: E402
+from bench.workloads import make  # noqa: E402
+from engine.router import RouterConfig  # noqa: E402
+from engine.serve import Deployment, DeploymentSpec  # noqa: E402
+
+VOCAB = 256  # the byte range of the engine's tokenizer
+
+
+def pct(xs: list[float], p: float) -> float:
+    return float(np.percentile(xs, p)) if xs else float("nan")
+
+
+async def one(session: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int) -> dict:
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    t = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as r:
+        data = await r.json()
+    if r.status != 200:
+        return {"status": r.status, "error": data.get("error", {}).get("message", ""), "e2e_s": time.perf_counter() - t}
+    info = data["kvstore"]
+    return {
+        "status": 200,
+        "prompt": len(ids),
+        "e2e_s": time.perf_counter() - t,
+        **{k: v for k, v in info.items() if k != "output_ids"},
+    }
+
+
+def chat_requests(quick: bool) -> list[tuple[float, list[int], int]]:
+    w = make(
+        "chat", seed=0, scale=1.0, quiet=True, sessions=4 if quick else 8, duration_s=5.0,
+        system_tokens=384 if quick else 512, turns=(3, 3) if quick else (4, 4), user_tokens=(24, 64),
+        answer_tokens=(16, 32), think_s=2.0,
+    )  # fmt: skip
+    return [(r.arrival_s, (np.asarray(r.prompt) % VOCAB).tolist(), 8) for r in w.requests()]
+
+
+def fewshot_requests(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, VOCAB, 768).tolist()
+    return [prefix + rng.integers(0, VOCAB, int(rng.integers(16, 48))).tolist() for _ in range(n)]
+
+
+async def run_sequential(spec: DeploymentSpec, reqs, desc: str) -> tuple[list[dict], dict]:
+    async with Deployment(spec) as d, aiohttp.ClientSession() as s:
+        await one(s, d.url, list(range(40)), 2)  # warm-up (and a first compute-speed sample)
+        out = []
+        for _, ids, n in tqdm(reqs, desc=desc, unit="req", leave=False):
+            out.append(await one(s, d.url, ids, n))
+        await d.router._poll_once()
+        health = [w.health for w in d.router.workers]
+    return out, {"workers": health}
+
+
+def summarize(rows: list[dict]) -> dict:
+    ok = [r for r in rows if r["status"] == 200]
+    ttft = [r["ttft_ms"] for r in ok]
+    tpot = [r["tpot_ms"] for r in ok if r.get("tpot_ms") is not None]
+    return {
+        "requests": len(rows), "ok": len(ok),
+        "ttft_p50_ms": round(pct(ttft, 50), 2), "ttft_p99_ms": round(pct(ttft, 99), 2),
+        "tpot_p50_ms": round(pct(tpot, 50), 2),
+        "prompt_tokens": sum(r["prompt"] for r in ok),
+        "tokens_loaded": sum(r.get("tokens_loaded", 0) for r in ok),
+        "tokens_cached": sum(r.get("tokens_cached", 0) for r in ok),
+        "tokens_computed": sum(r.get("tokens_computed", 0) for r in ok),
+    }  # fmt: skip
+
+
+async def part_reuse(quick: bool) -> dict:
+    reqs = chat_requests(quick)
+    configs = {
+        "no cache": DeploymentSpec(model="small", store="none", prefix_cache=False),
+        "local prefix cache": DeploymentSpec(model="small", store="none", prefix_cache=True),
+        "kvstore DRAM": DeploymentSpec(model="small", store="embedded", prefix_cache=False),
+        "kvstore DRAM+SSD": DeploymentSpec(
+            model="small",
+            store="embedded",
+            prefix_cache=False,
+            dram="24MiB",
+            store_args=["--set", "daemon.ssd_bytes=1GiB"],
+        ),  # fmt: skip
+    }
+    res: dict = {"workload": f"chat, {len(reqs)} requests in arrival order, one at a time", "configs": {}}
+    rows_by: dict[str, list[dict]] = {}
+    for name, spec in configs.items():
+        rows, extra = await run_sequential(spec, reqs, name)
+        rows_by[name] = rows
+        res["configs"][name] = {**summarize(rows), "ttft_ms": [r["ttft_ms"] for r in rows if r["status"] == 200]}
+        if name == "kvstore DRAM":
+            res["store_health"] = extra["workers"]
+    # Compute speed from the no-cache run: prompt tokens / TTFT (prefill is nearly all of it).
+    base = [r for r in rows_by["no cache"] if r["status"] == 200]
+    tps = statistics.median(r["prompt"] / (r["ttft_ms"] / 1000) for r in base)
+    prefill = next(h for h in res["store_health"] if h.get("role") == "prefill")
+    bw = prefill.get("store_effective_bandwidth") or float("nan")  # round trips included
+    block_bytes = prefill["block_bytes"]
+    ratios, num, den = [], 0.0, 0.0
+    for r in rows_by["kvstore DRAM"]:
+        if r["status"] != 200:
+            continue
+        bound = r["tokens_computed"] / tps + (r["tokens_loaded"] // 16) * block_bytes / bw
+        ratios.append(r["ttft_ms"] / 1000 / bound)
+        num += r["ttft_ms"] / 1000
+        den += bound
+    res["compute_tokens_per_s"] = round(tps, 1)
+    res["store_bandwidth_gbps"] = round(bw / 1e9, 3)
+    res["ttft_over_bound"] = round(num / den, 3)
+    res["ttft_over_bound_p50"] = round(statistics.median(ratios), 3)
+    return res
+
+
+async def open_loop(url: str, prompts: list[list[int]], rate: float, max_tokens: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, len(prompts))
+    async with aiohttp.ClientSession() as s:
+        tasks = []
+        for gap, ids in zip(gaps, prompts):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(s, url, ids, max_tokens)))
+        return await asyncio.gather(*tasks)
+
+
+async def part_goodput(quick: bool, ttft_target: float, tpot_target: float) -> dict:
+    rates = [1.0, 2.0, 4.0, 8.0] if quick else [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]
+    n = 16 if quick else 40
+    configs = {
+        "disagg, cache-aware": dict(prefill=2, decode=1, routing="cache_aware"),
+        "disagg, round-robin": dict(prefill=2, decode=1, routing="round_robin"),
+        "colocated, cache-aware": dict(colocated=3, routing="cache_aware"),
+        "colocated, round-robin": dict(colocated=3, routing="round_robin"),
+    }
+    out: dict = {"workload": f"few-shot: 768-token shared prefix + 16-48 token question, {n} requests per rate, 16 output tokens",
+                 "ttft_target_ms": ttft_target * 1000, "tpot_target_ms": tpot_target * 1000, "rates": rates, "configs": {}}  # fmt: skip
+    for name, c in configs.items():
+        routing = c.pop("routing")
+        spec = DeploymentSpec(
+            model="small", store="embedded", router=RouterConfig(routing=routing, ttft_target_s=1e9), **c
+        )
+        per_rate = []
+        async with Deployment(spec) as d:
+            async with aiohttp.ClientSession() as s:
+                await one(s, d.url, list(range(40)), 2)
+            for i, rate in enumerate(tqdm(rates, desc=name, unit="rate", leave=False)):
+                rows = await open_loop(d.url, fewshot_requests(n, seed=i), rate, 16, seed=i)
+                ok = [r for r in rows if r["status"] == 200]
+                good = sum(
+                    1 for r in ok if r["ttft_ms"] <= ttft_target * 1000 and (r["tpot_ms"] or 0) <= tpot_target * 1000
+                )
+                per_rate.append({"rate": rate, "attainment": good / len(rows), **summarize(rows)})
+        goodput = max((p["rate"] for p in per_rate if p["attainment"] >= 0.9), default=0.0)
+        out["configs"][name] = {"goodput_rps": goodput, "per_rate": per_rate}
+    return out
+
+
+async def session(
+    s: aiohttp.ClientSession, url: str, system: list[int], turns: int, seed: int, think_s: float
+) -> list[dict]:
+    """One closed-loop conversation: each turn is sent after the previous answer (plus think time)."""
+    rng = np.random.default_rng(seed)
+    history = list(system)
+    rows = []
+    await asyncio.sleep(float(rng.uniform(0, think_s)))
+    for _ in range(turns):
+        history += rng.integers(0, VOCAB, int(rng.integers(24, 64))).tolist()
+        rows.append(await one(s, url, history, 8))
+        history += rng.integers(0, VOCAB, int(rng.integers(16, 32))).tolist()  # the answer
+        await asyncio.sleep(float(rng.exponential(think_s)))
+    return rows
+
+
+async def part_sessions(quick: bool, ttft_target: float) -> dict:
+    counts = [1, 2, 4] if quick else [1, 2, 4, 6, 8]
+    turns = 3 if quick else 4
+    res: dict = {"ttft_target_ms": ttft_target * 1000, "counts": counts, "turns": turns, "configs": {}}
+    system = np.random.default_rng(5).integers(0, VOCAB, 512).tolist()
+    for name, spec in {
+        "kvstore DRAM": DeploymentSpec(model="small", store="embedded", prefix_cache=False),
+        "no cache": DeploymentSpec(model="small", store="none", prefix_cache=False),
+    }.items():
+        p95s = []
+        async with Deployment(spec) as d, aiohttp.ClientSession() as s:
+            await one(s, d.url, list(range(40)), 2)
+            for k in tqdm(counts, desc=f"sessions {name}", leave=False):
+                groups = await asyncio.gather(*(session(s, d.url, system, turns, 100 * k + i, 1.0) for i in range(k)))
+                rows = [r for g in groups for r in g]
+                p95s.append(round(pct([r["ttft_ms"] for r in rows if r["status"] == 200], 95), 2))
+        ok = [k for k, p in zip(counts, p95s) if p <= ttft_target * 1000]
+        res["configs"][name] = {"p95_ttft_ms": p95s, "max_sessions": max(ok, default=0)}
+    return res
+
+
+def plot(r: dict, outdir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    names = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, c in r["reuse"]["configs"].items():
+        xs = np.sort(c["ttft_ms"])
+        ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF, multi-turn chat (small model, CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(outdir / "engine_ttft_cdf.png", dpi=110)
+    names.append("engine_ttft_cdf.png")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    g = r["goodput"]
+    for name, c in g["configs"].items():
+        ax.plot([p["rate"] for p in c["per_rate"]], [p["attainment"] for p in c["per_rate"]], marker="o", label=name)
+    ax.axhline(0.9, color="grey", ls="--", lw=1)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("fraction meeting TTFT and TPOT targets")
+    ax.set_title("SLO attainment vs rate (goodput = last rate above 0.9)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(outdir / "engine_goodput.png", dpi=110)
+    names.append("engine_goodput.png")
+    return names
+
+
+def render(r: dict, pngs: list[str]) -> str:
+    ru = r["reuse"]
+    lines = [
+        "## Engine: TTFT with reuse, goodput, sessions (`bench/engine_reuse.py`)",
+        "",
+        f"- Command: `{r['command']}`",
+        f"- Date: {r['date']}",
+        f"- Machine: {r['machine']}",
+        "- Model: the engine's `small` preset (26 M parameters, float32, random weights), one torch thread per"
+        " worker process, every worker a separate process, requests over HTTP through the router.",
+        "",
+        f"### Reuse vs recompute ({ru['workload']})",
+        "",
+        "| configuration | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | prompt tokens | loaded from store | local cache | computed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, c in ru["configs"].items():
+        lines.append(
+            f"| {name} | {c['ttft_p50_ms']} | {c['ttft_p99_ms']} | {c['tpot_p50_ms']} | {c['prompt_tokens']} "
+            f"| {c['tokens_loaded']} | {c['tokens_cached']} | {c['tokens_computed']} |"
+        )
+    lines += [
+        "",
+        f"`ttft_over_bound` (kvstore DRAM) = **{ru['ttft_over_bound']}** (per-request median {ru['ttft_over_bound_p50']};"
+        f" target <= 1.25), with compute speed {ru['compute_tokens_per_s']} tokens/s measured by the no-cache run and"
+        f" store bandwidth {ru['store_bandwidth_gbps']} GB/s measured by the workers' loads.",
+        "",
+        f"### Goodput ({r['goodput']['workload']}; targets TTFT {r['goodput']['ttft_target_ms']:.0f} ms, TPOT {r['goodput']['tpot_target_ms']:.0f} ms)",
+        "",
+        "| configuration | goodput req/s | " + " | ".join(f"{x:g} req/s" for x in r["goodput"]["rates"]) + " |",
+        "|---|---|" + "---|" * len(r["goodput"]["rates"]),
+    ]
+    for name, c in r["goodput"]["configs"].items():
+        lines.append(
+            f"| {name} | **{c['goodput_rps']:g}** | "
+            + " | ".join(f"{p['attainment']:.2f}" for p in c["per_rate"])
+            + " |"
+        )
+    se = r["sessions"]
+    lines += ["", f"### Concurrent closed-loop sessions ({se['turns']} turns, 512-token system prompt, 1 s think time) under p95 TTFT {se['ttft_target_ms']:.0f} ms", "",
+              "| configuration | " + " | ".join(f"{k} sessions" for k in se["counts"]) + " | max sessions |",
+              "|---|" + "---|" * (len(se["counts"]) + 1)]  # fmt: skip
+    for name, c in se["configs"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{p} ms" for p in c["p95_ttft_ms"]) + f" | **{c['max_sessions']}** |")
+    lines += [""] + [f"![{p}](results/{p})" for p in pngs]
+    return "\n".join(lines)
+
+
+async def amain(quick: bool) -> dict:
+    cmd = "python bench/engine_reuse.py" + (" --quick" if quick else "")
+    r: dict = {"command": cmd, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine()}
+    r["reuse"] = await part_reuse(quick)
+    nocache_p50 = r["reuse"]["configs"]["no cache"]["ttft_p50_ms"] / 1000
+    # Targets relative to this machine: TTFT 2x an idle full recompute of a chat prompt.
+    ttft_target, tpot_target = max(0.2, 2 * nocache_p50), 0.15
+    r["goodput"] = await part_goodput(quick, ttft_target, tpot_target)
+    r["sessions"] = await part_sessions(quick, ttft_target)
+    r["ttft_over_bound"] = r["reuse"]["ttft_over_bound"]
+    return r
+
+
+def run(quick: bool, report: bool = True) -> dict:
+    r = asyncio.run(amain(quick))
+    out = REPO / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine.json").write_text(json.dumps(r, indent=2) + "\n")
+    pngs = plot(r, out)
+    if report:
+        update_section("engine", render(r, pngs))
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-report", action="store_true")
+    ns = ap.parse_args()
+    r = run(ns.quick, not ns.no_report)
+    print(json.dumps({"ttft_over_bound": r["ttft_over_bound"],
+                      "goodput": {k: v["goodput_rps"] for k, v in r["goodput"]["configs"].items()}}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
