@@ -68,9 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run the embedded store and a short multi-turn workload that shows prefix reuse")
     _common(p)
-    p.add_argument("--sessions", type=int, default=6)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=3)
+    p.add_argument("--turns", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--store-only", action="store_true", help="the store with a NumPy stand-in model (no torch)")
     return ap
 
 
@@ -212,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif ns.cmd == "demo":
             from kvstore.demo import run_demo
 
-            return run_demo(cfg, sessions=ns.sessions, turns=ns.turns, seed=ns.seed)
+            return run_demo(cfg, sessions=ns.sessions, turns=ns.turns, seed=ns.seed, engine=not ns.store_only)
     except KVStoreError as e:
         print(f"kvstore: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -228,3 +228,17 @@ def test_colocated_mode_matches_too(reference):
         assert "decode_worker" not in info and info["output_ids"] == reference(ids, 8)
     finally:
         r.close()
+
+
+def test_engine_demo_prints_ttft_with_and_without_reuse():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "demo", "--sessions", "2", "--turns", "2"],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "greedy output identical with and without the store: yes" in r.stdout
+    assert "TTFT p50:" in r.stdout and "with kvstore vs" in r.stdout

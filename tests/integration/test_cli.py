@@ -59,9 +59,9 @@ def test_stat_against_nothing_is_a_clear_error():
     assert "Unavailable" in r.stderr or "Timeout" in r.stderr
 
 
-def test_demo_runs_and_every_loaded_block_equals_recompute():
+def test_store_only_demo_runs_and_every_loaded_block_equals_recompute():
     r = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "demo", "--sessions", "2", "--turns", "2"],
+        [sys.executable, "-m", "kvstore.cli", "demo", "--store-only", "--sessions", "2", "--turns", "2"],
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
