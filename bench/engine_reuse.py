@@ -86,15 +86,17 @@ def fewshot_requests(n: int, seed: int) -> list[list[int]]:
     return [prefix + rng.integers(0, VOCAB, int(rng.integers(16, 48))).tolist() for _ in range(n)]
 
 
-async def run_sequential(spec: DeploymentSpec, reqs, desc: str) -> tuple[list[dict], dict]:
-    async with Deployment(spec) as d, aiohttp.ClientSession() as s:
-        await one(s, d.url, list(range(40)), 2)  # warm-up (and a first compute-speed sample)
+async def run_sequential(url: str, reqs, desc: str) -> list[dict]:
+    async with aiohttp.ClientSession() as s:
         out = []
         for _, ids, n in tqdm(reqs, desc=desc, unit="req", leave=False):
-            out.append(await one(s, d.url, ids, n))
-        await d.router._poll_once()
-        health = [w.health for w in d.router.workers]
-    return out, {"workers": health}
+            out.append(await one(s, url, ids, n))
+    return out
+
+
+async def warm(url: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        await one(s, url, list(range(40)), 2)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -112,28 +114,37 @@ def summarize(rows: list[dict]) -> dict:
     }  # fmt: skip
 
 
-async def part_reuse(quick: bool) -> dict:
+REUSE_CONFIGS = {
+    "no cache": dict(store="none", prefix_cache=False),
+    "local prefix cache": dict(store="none", prefix_cache=True),
+    "kvstore DRAM": dict(store="embedded", prefix_cache=False),
+    "kvstore DRAM+SSD": dict(
+        store="embedded", prefix_cache=False, dram="24MiB", store_args=["--set", "daemon.ssd_bytes=1GiB"]
+    ),
+}
+
+
+async def part_reuse_and_sessions(quick: bool) -> tuple[dict, dict]:
+    """Reuse vs recompute for every configuration; the sessions sweep in the no-cache and the
+    kvstore DRAM deployments (the same processes, fresh prompts)."""
     reqs = chat_requests(quick)
-    configs = {
-        "no cache": DeploymentSpec(model="small", store="none", prefix_cache=False),
-        "local prefix cache": DeploymentSpec(model="small", store="none", prefix_cache=True),
-        "kvstore DRAM": DeploymentSpec(model="small", store="embedded", prefix_cache=False),
-        "kvstore DRAM+SSD": DeploymentSpec(
-            model="small",
-            store="embedded",
-            prefix_cache=False,
-            dram="24MiB",
-            store_args=["--set", "daemon.ssd_bytes=1GiB"],
-        ),  # fmt: skip
-    }
+    names = ["no cache", "kvstore DRAM"] if quick else list(REUSE_CONFIGS)
     res: dict = {"workload": f"chat, {len(reqs)} requests in arrival order, one at a time", "configs": {}}
+    sessions: dict = {"counts": [1, 2, 4] if quick else [1, 2, 4, 6, 8], "turns": 3 if quick else 4, "configs": {}}
     rows_by: dict[str, list[dict]] = {}
-    for name, spec in configs.items():
-        rows, extra = await run_sequential(spec, reqs, name)
-        rows_by[name] = rows
-        res["configs"][name] = {**summarize(rows), "ttft_ms": [r["ttft_ms"] for r in rows if r["status"] == 200]}
-        if name == "kvstore DRAM":
-            res["store_health"] = extra["workers"]
+    for name in names:
+        async with Deployment(DeploymentSpec(model="small", **REUSE_CONFIGS[name])) as d:
+            await warm(d.url)
+            rows = await run_sequential(d.url, reqs, name)
+            rows_by[name] = rows
+            res["configs"][name] = {**summarize(rows), "ttft_ms": [r["ttft_ms"] for r in rows if r["status"] == 200]}
+            await d.router._poll_once()
+            if name == "kvstore DRAM":
+                res["store_health"] = [w.health for w in d.router.workers]
+            if name == "no cache":
+                sessions["ttft_target_ms"] = ttft_target(res) * 1000
+            if name in ("no cache", "kvstore DRAM"):
+                sessions["configs"][name] = await sessions_sweep(d.url, sessions, name)
     # Compute speed from the no-cache run: prompt tokens / TTFT (prefill is nearly all of it).
     base = [r for r in rows_by["no cache"] if r["status"] == 200]
     tps = statistics.median(r["prompt"] / (r["ttft_ms"] / 1000) for r in base)
@@ -152,7 +163,15 @@ async def part_reuse(quick: bool) -> dict:
     res["store_bandwidth_gbps"] = round(bw / 1e9, 3)
     res["ttft_over_bound"] = round(num / den, 3)
     res["ttft_over_bound_p50"] = round(statistics.median(ratios), 3)
-    return res
+    return res, sessions
+
+
+def ttft_target(reuse: dict) -> float:
+    """The TTFT target, relative to this machine: twice an idle full recompute of a chat prompt."""
+    return max(0.2, 2 * reuse["configs"]["no cache"]["ttft_p50_ms"] / 1000)
+
+
+TPOT_TARGET_S = 0.15
 
 
 async def open_loop(url: str, prompts: list[list[int]], rate: float, max_tokens: int, seed: int) -> list[dict]:
@@ -166,35 +185,29 @@ async def open_loop(url: str, prompts: list[list[int]], rate: float, max_tokens:
         return await asyncio.gather(*tasks)
 
 
-async def part_goodput(quick: bool, ttft_target: float, tpot_target: float) -> dict:
-    rates = [1.0, 2.0, 4.0, 8.0] if quick else [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]
-    n = 16 if quick else 40
-    configs = {
-        "disagg, cache-aware": dict(prefill=2, decode=1, routing="cache_aware"),
-        "disagg, round-robin": dict(prefill=2, decode=1, routing="round_robin"),
-        "colocated, cache-aware": dict(colocated=3, routing="cache_aware"),
-        "colocated, round-robin": dict(colocated=3, routing="round_robin"),
-    }
+async def part_goodput(quick: bool, ttft_t: float, tpot_t: float) -> dict:
+    rates = [2.0, 6.0] if quick else [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]
+    n = 10 if quick else 40
+    deployments = {"disagg": dict(prefill=2, decode=1), "colocated": dict(colocated=3)}
     out: dict = {"workload": f"few-shot: 768-token shared prefix + 16-48 token question, {n} requests per rate, 16 output tokens",
-                 "ttft_target_ms": ttft_target * 1000, "tpot_target_ms": tpot_target * 1000, "rates": rates, "configs": {}}  # fmt: skip
-    for name, c in configs.items():
-        routing = c.pop("routing")
-        spec = DeploymentSpec(
-            model="small", store="embedded", router=RouterConfig(routing=routing, ttft_target_s=1e9), **c
-        )
-        per_rate = []
+                 "ttft_target_ms": ttft_t * 1000, "tpot_target_ms": tpot_t * 1000, "rates": rates, "configs": {}}  # fmt: skip
+    seed = 0
+    for mode, c in deployments.items():
+        spec = DeploymentSpec(model="small", store="embedded", router=RouterConfig(ttft_target_s=1e9), **c)
         async with Deployment(spec) as d:
-            async with aiohttp.ClientSession() as s:
-                await one(s, d.url, list(range(40)), 2)
-            for i, rate in enumerate(tqdm(rates, desc=name, unit="rate", leave=False)):
-                rows = await open_loop(d.url, fewshot_requests(n, seed=i), rate, 16, seed=i)
-                ok = [r for r in rows if r["status"] == 200]
-                good = sum(
-                    1 for r in ok if r["ttft_ms"] <= ttft_target * 1000 and (r["tpot_ms"] or 0) <= tpot_target * 1000
-                )
-                per_rate.append({"rate": rate, "attainment": good / len(rows), **summarize(rows)})
-        goodput = max((p["rate"] for p in per_rate if p["attainment"] >= 0.9), default=0.0)
-        out["configs"][name] = {"goodput_rps": goodput, "per_rate": per_rate}
+            await warm(d.url)
+            for routing in ("cache_aware", "round_robin"):
+                d.router.cfg.routing = routing  # same processes; every rate gets a fresh prefix
+                name = f"{mode}, {routing.replace('_', '-')}"
+                per_rate = []
+                for rate in tqdm(rates, desc=name, unit="rate", leave=False):
+                    seed += 1
+                    rows = await open_loop(d.url, fewshot_requests(n, seed=seed), rate, 16, seed=seed)
+                    ok = [r for r in rows if r["status"] == 200]
+                    good = sum(1 for r in ok if r["ttft_ms"] <= ttft_t * 1000 and (r["tpot_ms"] or 0) <= tpot_t * 1000)
+                    per_rate.append({"rate": rate, "attainment": good / len(rows), **summarize(rows)})
+                goodput = max((p["rate"] for p in per_rate if p["attainment"] >= 0.9), default=0.0)
+                out["configs"][name] = {"goodput_rps": goodput, "per_rate": per_rate}
     return out
 
 
@@ -214,25 +227,16 @@ async def session(
     return rows
 
 
-async def part_sessions(quick: bool, ttft_target: float) -> dict:
-    counts = [1, 2, 4] if quick else [1, 2, 4, 6, 8]
-    turns = 3 if quick else 4
-    res: dict = {"ttft_target_ms": ttft_target * 1000, "counts": counts, "turns": turns, "configs": {}}
+async def sessions_sweep(url: str, cfg: dict, name: str) -> dict:
     system = np.random.default_rng(5).integers(0, VOCAB, 512).tolist()
-    for name, spec in {
-        "kvstore DRAM": DeploymentSpec(model="small", store="embedded", prefix_cache=False),
-        "no cache": DeploymentSpec(model="small", store="none", prefix_cache=False),
-    }.items():
-        p95s = []
-        async with Deployment(spec) as d, aiohttp.ClientSession() as s:
-            await one(s, d.url, list(range(40)), 2)
-            for k in tqdm(counts, desc=f"sessions {name}", leave=False):
-                groups = await asyncio.gather(*(session(s, d.url, system, turns, 100 * k + i, 1.0) for i in range(k)))
-                rows = [r for g in groups for r in g]
-                p95s.append(round(pct([r["ttft_ms"] for r in rows if r["status"] == 200], 95), 2))
-        ok = [k for k, p in zip(counts, p95s) if p <= ttft_target * 1000]
-        res["configs"][name] = {"p95_ttft_ms": p95s, "max_sessions": max(ok, default=0)}
-    return res
+    p95s = []
+    async with aiohttp.ClientSession() as s:
+        for k in tqdm(cfg["counts"], desc=f"sessions {name}", leave=False):
+            groups = await asyncio.gather(*(session(s, url, system, cfg["turns"], 100 * k + i, 1.0) for i in range(k)))
+            rows = [r for g in groups for r in g]
+            p95s.append(round(pct([r["ttft_ms"] for r in rows if r["status"] == 200], 95), 2))
+    ok = [k for k, p in zip(cfg["counts"], p95s) if p <= cfg["ttft_target_ms"]]
+    return {"p95_ttft_ms": p95s, "max_sessions": max(ok, default=0)}
 
 
 def plot(r: dict, outdir: Path) -> list[str]:
@@ -322,12 +326,8 @@ def render(r: dict, pngs: list[str]) -> str:
 async def amain(quick: bool) -> dict:
     cmd = "python bench/engine_reuse.py" + (" --quick" if quick else "")
     r: dict = {"command": cmd, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine()}
-    r["reuse"] = await part_reuse(quick)
-    nocache_p50 = r["reuse"]["configs"]["no cache"]["ttft_p50_ms"] / 1000
-    # Targets relative to this machine: TTFT 2x an idle full recompute of a chat prompt.
-    ttft_target, tpot_target = max(0.2, 2 * nocache_p50), 0.15
-    r["goodput"] = await part_goodput(quick, ttft_target, tpot_target)
-    r["sessions"] = await part_sessions(quick, ttft_target)
+    r["reuse"], r["sessions"] = await part_reuse_and_sessions(quick)
+    r["goodput"] = await part_goodput(quick, ttft_target(r["reuse"]), TPOT_TARGET_S)
     r["ttft_over_bound"] = r["reuse"]["ttft_over_bound"]
     return r
 

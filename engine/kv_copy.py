@@ -25,8 +25,9 @@ Every argument is checked before anything is launched or written: an out-of-rang
 block id, a layer outside the cache, a wrong shape, dtype, device or a non-contiguous buffer
 raises :class:`engine.errors.InvalidRequest` (a ``ValueError``) naming what is wrong, and the
 cache is left untouched. Scatter refuses duplicate block ids (two writes to one block would
-race). Checking ids that already live on the GPU reads their min and max back (one small
-synchronisation); pass them as a list or numpy array when that matters.
+race). Block ids given on the host (a list, numpy array or CPU tensor) are checked there and
+copied to the device asynchronously (through pinned memory); ids already on the GPU are checked
+by reading their min and max back, one small synchronisation: pass host ids when that matters.
 
 **Host staging.** When the cache is on a GPU and ``out`` (gather) or ``src`` (scatter) is host
 memory, the copy crosses to the host in one of two ways (``mode``):
@@ -35,13 +36,16 @@ memory, the copy crosses to the host in one of two ways (``mode``):
   one ``cudaMemcpyAsync`` moves it to the host (scatter: one ``cudaMemcpyAsync`` to the device,
   then the kernel). Works for any host memory; asynchronous when it is pinned.
 - ``"mapped"``: the kernel reads or writes pinned host memory directly (zero-copy over the host
-  link, the same pointer under unified addressing). The host buffer must be pinned
-  (``engine.staging.StagingPool`` hands out such slabs).
+  link, through the buffer's device-side address: the same address under unified addressing).
+  The host buffer must be pinned (``engine.staging.StagingPool`` hands out such slabs). The
+  torch fallback has no such mode: it always copies through the device.
 
-``DEFAULT_STAGING_MODE`` is ``"device"``: it needs no pinned memory and costs one extra on-device
-pass (HBM is many times faster than the host link). ``bench/gpu_copy.py`` measures both modes
-against a plain ``cudaMemcpyAsync`` of the same bytes; the faster mode on the target GPU belongs
-here, with the numbers in ``bench/RESULTS.md``.
+``DEFAULT_STAGING_MODE`` is ``"device"``, chosen before any GPU measurement: it works with any host
+memory, the host link then moves one large contiguous ``cudaMemcpyAsync`` (the copy engines'
+best case), and the extra on-device pass costs little (HBM is tens of times faster than the
+host link). ``bench/gpu_copy.py`` measures both modes against a plain ``cudaMemcpyAsync`` of the
+same bytes and reports the faster one (``bench/results/gpu.json``, ``staging.faster_mode``); the
+default follows that measurement once it has been made on the target GPU.
 
 With host staging the call returns once the copies are enqueued: synchronise ``stream`` (or an
 event recorded on it) before reading ``out`` or reusing ``src``.
@@ -361,6 +365,20 @@ def _check_mode(mode: str | None) -> str:
     return mode
 
 
+def _mapped_pointer(t: torch.Tensor) -> int | None:
+    """The device-side address of host tensor ``t`` when it is pinned (page-locked and mapped: with
+    unified addressing, the same address), else None."""
+    try:
+        import cupy
+
+        attrs = cupy.cuda.runtime.pointerGetAttributes(t.data_ptr())
+        if attrs.type == cupy.cuda.runtime.memoryTypeHost and attrs.devicePointer:
+            return int(attrs.devicePointer)
+    except Exception:  # not CUDA memory at all (pageable), or no CuPy
+        pass
+    return t.data_ptr() if t.is_pinned() else None
+
+
 def _use_kernels(cache_t: torch.Tensor, backend: str) -> bool:
     if backend not in BACKENDS:
         raise InvalidRequest(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -470,6 +488,16 @@ def _torch_stream(handle: int, device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.ExternalStream(handle, device=device)
 
 
+def _ids_to_device(ids_t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Ids on ``device``, copied on the current stream without blocking the host: from pinned
+    memory (torch's caching host allocator keeps the block until the copy has run)."""
+    if ids_t.device == device:
+        return ids_t
+    if ids_t.device.type == "cpu":
+        return ids_t.pin_memory().to(device, non_blocking=True)
+    return ids_t.to(device)
+
+
 def gather(
     cache: Any,
     block_ids: Any,
@@ -494,8 +522,11 @@ def gather(
     out_t, host = (None, False) if out is None else _check_buffer(out, "out", cache_t, shape, writable=True)
     mode = _check_mode(mode)
     use_kernels = _use_kernels(cache_t, backend)
-    if host and mode == "mapped" and not out_t.is_pinned():
-        raise InvalidRequest("mode='mapped' needs pinned host memory for out (see engine.staging.StagingPool)")
+    mapped_ptr = None
+    if host and mode == "mapped" and use_kernels:
+        mapped_ptr = _mapped_pointer(out_t)
+        if mapped_ptr is None:
+            raise InvalidRequest("mode='mapped' needs pinned host memory for out (see engine.staging.StagingPool)")
 
     if cache_t.device.type == "cpu":
         if out_t is None:
@@ -508,7 +539,7 @@ def gather(
         # Everything allocated here (ids on the device, out, scratch) belongs to the launch stream,
         # so the caching allocator orders its reuse after this copy.
         with torch.cuda.stream(tstream):
-            ids_t = ids_t.to(cache_t.device)
+            ids_t = _ids_to_device(ids_t, cache_t.device)
             if out_t is None:
                 out_t = torch.empty(shape, dtype=cache_t.dtype, device=cache_t.device)
             if not ids_t.numel():
@@ -520,7 +551,7 @@ def gather(
                     _memcpy_async(out_t.data_ptr(), tmp.data_ptr(), tmp.numel() * tmp.element_size(), handle,
                                   cache_t.device.index)  # fmt: skip
                 else:  # device out, or pinned host out written in place
-                    _launch("gather", cache_t, out_t.data_ptr(), ids_t, layer, handle)
+                    _launch("gather", cache_t, mapped_ptr or out_t.data_ptr(), ids_t, layer, handle)
             else:
                 view = cache_t if layer is None else cache_t[:, layer]
                 if host:
@@ -558,8 +589,11 @@ def scatter(
     src_t, host = _check_buffer(src, "src", cache_t, shape, writable=False)
     mode = _check_mode(mode)
     use_kernels = _use_kernels(cache_t, backend)
-    if host and mode == "mapped" and not src_t.is_pinned():
-        raise InvalidRequest("mode='mapped' needs pinned host memory for src (see engine.staging.StagingPool)")
+    mapped_ptr = None
+    if host and mode == "mapped" and use_kernels:
+        mapped_ptr = _mapped_pointer(src_t)
+        if mapped_ptr is None:
+            raise InvalidRequest("mode='mapped' needs pinned host memory for src (see engine.staging.StagingPool)")
     if not ids_t.numel():
         return
 
@@ -569,7 +603,7 @@ def scatter(
         return
     handle, tstream = _resolve_stream(stream, cache_t, cache_kind)
     with torch.cuda.stream(tstream):
-        ids_t = ids_t.to(cache_t.device)
+        ids_t = _ids_to_device(ids_t, cache_t.device)
         if use_kernels:
             if host and mode == "device":
                 tmp = _scratch(cache_t, shape, scratch)
@@ -577,7 +611,7 @@ def scatter(
                               cache_t.device.index)  # fmt: skip
                 _launch("scatter", cache_t, tmp.data_ptr(), ids_t, layer, handle)
             else:  # device src, or pinned host src read in place
-                _launch("scatter", cache_t, src_t.data_ptr(), ids_t, layer, handle)
+                _launch("scatter", cache_t, mapped_ptr or src_t.data_ptr(), ids_t, layer, handle)
         else:
             view = cache_t if layer is None else cache_t[:, layer]
             view.index_copy_(0, ids_t.long(), src_t.to(cache_t.device, non_blocking=True) if host else src_t)
