@@ -12,6 +12,11 @@ It plugs into the engine's two hooks (``engine.hooks``):
   is not held up; ``wait_saved(request_id)`` is there for a prefill worker that must hand a
   request to a decode worker only once its blocks are in the store.
 
+Device memory: on a CPU the store reads and writes the cache's blocks in place (each block is
+one contiguous chunk). When the cache lives on a GPU, blocks go through a pinned host staging
+pool (``engine.staging``) and the custom copy kernels (``engine.kv_copy``): one gather launch
+fills a slab for a save, one scatter launch empties it after a load, on the pool's own stream.
+
 Load or recompute: loading n blocks costs about ``latency + bytes / bandwidth`` (both measured
 on past loads), recomputing them ``tokens / prefill throughput`` (measured by the worker and fed
 in with :meth:`observe_compute`). Until both are measured, it loads.
@@ -75,6 +80,7 @@ class StoreConnector:
         kv_cache: KVCache,
         policy: str = "auto",
         max_pending_saves: int = 64,
+        staging_blocks: int = 256,
     ) -> None:
         if policy not in ("auto", "always", "never"):
             raise ValueError(f"connector policy must be auto, always or never, got {policy!r}")
@@ -90,6 +96,13 @@ class StoreConnector:
         self.effective_bandwidth = Ewma()  # bytes / total seconds of each load, round trips included
         self._samples: deque[tuple[int, float]] = deque(maxlen=64)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
+        self.on_gpu = kv_cache.tensor.device.type == "cuda"
+        self.pool = None
+        if self.on_gpu:
+            from engine.staging import StagingPool
+
+            self.slab_blocks = staging_blocks
+            self.pool = StagingPool(slab_bytes=staging_blocks * self.block_bytes, num_slabs=4)
         self._pending: deque[Future] = deque()
         self._by_request: dict[int, list[Future]] = {}
         self._lock = threading.Lock()
@@ -135,9 +148,12 @@ class StoreConnector:
             if not self.worth_loading(n):
                 self.stats.loads_skipped += 1
                 return req.num_cached_tokens
-            views = [self.cache.block_view(b) for b in req.block_ids[first : first + n]]
             t = time.perf_counter()
-            got = self.client.get_into(keys[first : first + n], views)
+            if self.on_gpu:
+                got = self._load_staged(keys[first : first + n], list(req.block_ids[first : first + n]))
+            else:
+                views = [self.cache.block_view(b) for b in req.block_ids[first : first + n]]
+                got = self.client.get_into(keys[first : first + n], views)
             dt = time.perf_counter() - t
         except (KVStoreError, OSError, ValueError) as e:
             self.stats.load_failures += 1
@@ -154,6 +170,26 @@ class StoreConnector:
             self.stats.load_seconds += dt
         self.stats.per_request[req.request_id] = got * bs
         return (first + got) * bs
+
+    def _load_staged(self, keys: list[bytes], block_ids: list[int]) -> int:
+        """GPU cache: store -> pinned slab -> one scatter launch per slab of blocks."""
+        from engine import kv_copy
+
+        got = 0
+        bb = self.block_bytes
+        for lo in range(0, len(keys), self.slab_blocks):
+            chunk = keys[lo : lo + self.slab_blocks]
+            with self.pool.acquire() as slab:  # type: ignore[union-attr]
+                host = slab.numpy(np.uint8, (len(chunk), bb))
+                n = self.client.get_into(chunk, list(host))
+                if n:
+                    src = slab.torch(torch.uint8, (n * bb,))
+                    kv_copy.scatter(self.cache.tensor, block_ids[lo : lo + n], src, stream=self.pool.stream)  # type: ignore[union-attr]
+                    self.pool.synchronize()  # type: ignore[union-attr]
+            got += n
+            if n < len(chunk):
+                break
+        return got
 
     def _observe_load(self, nbytes: int, seconds: float) -> None:
         """Splits load time into a fixed part (round trips) and a per-byte part by a least-squares
@@ -182,20 +218,35 @@ class StoreConnector:
             if len(self._pending) >= self.max_pending_saves:
                 self.stats.saves_dropped += len(blocks.keys)
                 return
-        staged = self.cache.gather(list(blocks.block_ids))  # a copy: the ids may be reused after this call
         keys = list(blocks.keys)
-        fut = self._saver.submit(self._put, blocks.request_id, keys, staged)
+        if self.on_gpu:
+            # One gather launch into a pinned slab; the slab goes back after the put.
+            from engine import kv_copy
+
+            keys = keys[: self.slab_blocks]
+            slab = self.pool.acquire()  # type: ignore[union-attr]
+            out = slab.torch(torch.uint8, (len(keys) * self.block_bytes,))
+            kv_copy.gather(self.cache.tensor, list(blocks.block_ids[: len(keys)]), out=out, stream=self.pool.stream)  # type: ignore[union-attr]
+            self.pool.synchronize()  # type: ignore[union-attr]
+            staged = slab.numpy(np.uint8, (len(keys), self.block_bytes))
+            fut = self._saver.submit(self._put, blocks.request_id, keys, staged, slab)
+        else:
+            staged = self.cache.gather(list(blocks.block_ids))  # a copy: the ids may be reused after this call
+            fut = self._saver.submit(self._put, blocks.request_id, keys, staged)
         with self._lock:
             self._pending.append(fut)
             self._by_request.setdefault(blocks.request_id, []).append(fut)
 
-    def _put(self, request_id: int, keys: list[bytes], staged: torch.Tensor) -> int:
+    def _put(self, request_id: int, keys: list[bytes], staged, slab=None) -> int:  # noqa: ANN001
         try:
             res = self.client.put(keys, [staged[i] for i in range(len(keys))])
         except (KVStoreError, OSError, ValueError) as e:
             self.stats.save_failures += 1
             log.warning("event=save_failed request=%d blocks=%d reason=%r", request_id, len(keys), str(e))
             return 0
+        finally:
+            if slab is not None:
+                slab.release()
         self.stats.blocks_saved += res.stored
         return res.stored + res.skipped
 
