@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     else:
         add_arguments(p)
 
+    p = sub.add_parser("bench", help="the benchmark suite: JSON in bench/results, bench/RESULTS.md, PNG plots")
+    p.add_argument("suite", choices=sorted(BENCH_SUITES), help="policy, store, engine, gpu or all")
+    p.add_argument("--quick", action="store_true", help="a small size (each benchmark about a minute on 2 cores)")
+    p.add_argument("--log-level", help=argparse.SUPPRESS)
+    p.set_defaults(set=[], config=None)
+
     p = sub.add_parser("demo", help="run the embedded store and a short multi-turn workload that shows prefix reuse")
     _common(p)
     p.add_argument("--sessions", type=int, default=3)
@@ -73,6 +79,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store-only", action="store_true", help="the store with a NumPy stand-in model (no torch)")
     return ap
+
+
+BENCH_SUITES = {
+    "policy": ["policy.py"],
+    "store": ["store_throughput.py", "peers.py", "tier_throughput.py"],
+    "engine": ["engine_reuse.py"],
+    "gpu": ["gpu_copy.py"],
+    "all": ["policy.py", "store_throughput.py", "peers.py", "tier_throughput.py", "engine_reuse.py"],
+}
+
+
+def _bench(suite: str, quick: bool) -> int:
+    """Runs each benchmark of the suite as its own process (each writes its JSON, plots and
+    section of bench/RESULTS.md); the suite fails if any of them does."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench").is_dir():
+        print("kvstore bench: the bench/ folder is not next to this installation (run from a clone)", file=sys.stderr)
+        return 2
+    failed = []
+    for script in BENCH_SUITES[suite]:
+        cmd = [sys.executable, str(root / "bench" / script)] + (["--quick"] if quick else [])
+        print(f"== {' '.join(['python', 'bench/' + script] + cmd[2:])}", flush=True)
+        if subprocess.run(cmd, cwd=root).returncode != 0:
+            failed.append(script)
+    print(f"results: {root / 'bench' / 'results'}; report: {root / 'bench' / 'RESULTS.md'}")
+    if failed:
+        print(f"kvstore bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _config(ns: argparse.Namespace) -> Config:
@@ -203,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(_serve(cfg, False, True))
         elif ns.cmd == "stat":
             return _stat(cfg, ns.json)
+        elif ns.cmd == "bench":
+            return _bench(ns.suite, ns.quick)
         elif ns.cmd == "engine":
             try:
                 from engine.serve import main as engine_main
