@@ -137,36 +137,35 @@ def measure_throughput(work: Path, total: int, block: int, reps: int) -> dict:
 def kv_samples() -> tuple[str, dict[str, np.ndarray]]:
     """KV bytes to compress: from a real forward pass of the engine's model when available."""
     try:
-        import torch
-
-        from engine.config import ModelConfig
-        from engine.model import LlamaModel  # noqa: F401
-
-        return "engine", _engine_kv(torch, ModelConfig)
-    except Exception as e:  # noqa: BLE001 - any missing piece means: use the stand-in
+        return "the engine's `small` model (random weights, std 0.1): KV of a 1,024-token prefill", _engine_kv()
+    except ImportError as e:
         rng = np.random.default_rng(0)
         x = rng.standard_normal(8 << 20).astype(np.float32)
         bf16 = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-        return f"normal-distributed stand-in ({type(e).__name__}: engine not available)", {
+        return f"normal-distributed stand-in (engine not available: {e})", {
             "bf16": bf16,
             "fp16": x.astype(np.float16).view(np.uint8),
         }
 
 
-def _engine_kv(torch, ModelConfig) -> dict[str, np.ndarray]:  # noqa: ANN001, N803
-    from engine.kv_cache import PagedKVCache
-    from engine.model import LlamaModel
+def _engine_kv() -> dict[str, np.ndarray]:
+    import torch
 
+    from engine.config import EngineConfig, ModelConfig
+    from engine.llm import LLMEngine
+    from engine.model import LlamaForCausalLM
+
+    torch.set_num_threads(1)
     out = {}
-    for dtype in ("bfloat16", "float32"):
-        cfg = ModelConfig.small()
-        cfg = type(cfg)(**{**cfg.__dict__, "dtype": dtype})
-        model = LlamaModel(cfg, seed=0)
-        cache = PagedKVCache(cfg, num_blocks=64, block_size=16)
-        ids = torch.randint(0, cfg.vocab_size, (1000,), generator=torch.Generator().manual_seed(0))
-        model.prefill_into(ids, cache)
-        kv = cache.data[: (1000 // 16)].contiguous()
-        out["bf16" if dtype == "bfloat16" else "fp32"] = kv.view(torch.uint8).reshape(-1).numpy().copy()
+    ids = np.random.default_rng(0).integers(0, 256, 1024).tolist()
+    for dtype, name in (("bfloat16", "bf16"), ("float32", "fp32")):
+        model = LlamaForCausalLM.random(ModelConfig.small(dtype=dtype), seed=0, std=0.1)
+        eng = LLMEngine(model, EngineConfig(num_blocks=80, enable_prefix_caching=False))
+        eng.generate([ids], max_tokens=1)
+        kv = eng.kv_cache.tensor[: 1024 // 16].contiguous()
+        out[name] = kv.view(torch.uint8).reshape(-1).numpy().copy()
+    # fp16 KV: the fp32 model's KV rounded, as an fp16 engine would hold it.
+    out["fp16"] = out["fp32"].view(np.float32).astype(np.float16).view(np.uint8)
     return out
 
 

@@ -59,7 +59,7 @@ class DaemonConfig:
     ssd_direct_io: bool = True
     # fast: the OS flushes (survives any process crash); durable: fsync before acknowledging.
     ssd_durability: str = "fast"
-    # auto: lz4 (plain or byte-shuffled) per block where a sample shrinks by 10 %; off: never.
+    # auto: lz4 (plain or byte-shuffled) per block where a sample shrinks by 20 %; off: never.
     ssd_compress: str = "auto"
     # On start, verify every recovered block's payload checksum (not only its header).
     ssd_verify_on_start: bool = True
