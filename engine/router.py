@@ -6,7 +6,7 @@ Endpoints: ``POST /v1/completions`` (streaming or not), ``GET /v1/models``, ``GE
 Routing (``mode="disagg"``): a request goes to the prefill worker with the lowest estimated
 time to first token, then to a decode worker chosen by load against the TPOT target::
 
-    est_ttft(w) = queued_tokens(w) / tps(w)                  # what is ahead of it
+    est_ttft(w) = queued_tokens(w) / tps(w)                  # what is ahead of it (their uncached tokens)
                 + uncached_tokens(w) / tps(w)                # what it must compute
                 + transfer_bytes(w) / bandwidth(w)           # what it must load from the store
 
@@ -58,7 +58,7 @@ class WorkerRef:
     role: str
     alive: bool = True
     health: dict = field(default_factory=dict)
-    queued_tokens: int = 0  # router-side: prompt tokens sent and not yet through prefill
+    queued_tokens: int = 0  # router-side: tokens it will compute for requests sent and not yet prefilled
     active: int = 0  # router-side: requests in flight
     recent: OrderedDict = field(default_factory=OrderedDict)  # block keys it recently computed or loaded
 
@@ -218,17 +218,24 @@ class Router:
         except Exception:  # noqa: BLE001 - an unreachable store means: nothing cached there
             return 0
 
-    def estimate_ttft(self, w: WorkerRef, keys: list[bytes], prompt_len: int, store_hit: int) -> float:
+    def uncached_tokens(self, w: WorkerRef, keys: list[bytes], prompt_len: int, store_hit: int) -> tuple[int, int]:
+        """(tokens the worker must compute, bytes it must load) for this prompt."""
         bs = self.info["block_size"]
         local = w.local_hit(keys)
         have = max(local, store_hit) * bs
+        # The last token is always computed, so a fully cached prompt still computes its last block.
         uncached = max(prompt_len - have, bs if prompt_len % bs == 0 else prompt_len % bs)
-        transfer = max(0, store_hit - local) * self.info["block_bytes"]
-        bw = w.health.get("store_bandwidth") or 2e9
-        lat = w.health.get("store_latency") or 0.002
-        return w.queued_tokens / w.tps() + uncached / w.tps() + (transfer / bw + lat if transfer else 0.0)
+        return uncached, max(0, store_hit - local) * self.info["block_bytes"]
 
-    async def choose_prefill(self, keys: list[bytes], prompt_len: int) -> tuple[WorkerRef, float]:
+    def estimate_ttft(self, w: WorkerRef, keys: list[bytes], prompt_len: int, store_hit: int) -> float:
+        """Queue ahead (the compute the router already sent it) + own compute + own load."""
+        uncached, transfer = self.uncached_tokens(w, keys, prompt_len, store_hit)
+        # Effective bandwidth (round trips included), as the workers measured it on real loads.
+        bw = w.health.get("store_effective_bandwidth") or 2e9
+        return (w.queued_tokens + uncached) / w.tps() + (transfer / bw if transfer else 0.0)
+
+    async def choose_prefill(self, keys: list[bytes], prompt_len: int) -> tuple[WorkerRef, float, int]:
+        """The prefill worker, its TTFT estimate, and the tokens it will compute (its queue cost)."""
         pool = self._pool("prefill")
         if not pool:
             raise RequestError(503, "no prefill worker is available", "service_unavailable")
@@ -236,16 +243,17 @@ class Router:
         ests = [(self.estimate_ttft(w, keys, prompt_len, store_hit), i, w) for i, w in enumerate(pool)]
         if self.cfg.routing == "round_robin":
             w = pool[next(self._rr["prefill"]) % len(pool)]
-            return w, next(e for e, _, x in ests if x is w)
-        est, _, w = min(ests)
-        if est > self.cfg.ttft_target_s:
-            raise RequestError(
-                429,
-                f"estimated time to first token {est:.2f} s exceeds the target of {self.cfg.ttft_target_s:.2f} s; "
-                "retry later",
-                "rate_limit_exceeded",
-            )
-        return w, est
+            est = next(e for e, _, x in ests if x is w)
+        else:
+            est, _, w = min(ests)
+            if est > self.cfg.ttft_target_s:
+                raise RequestError(
+                    429,
+                    f"estimated time to first token {est:.2f} s exceeds the target of {self.cfg.ttft_target_s:.2f} s; "
+                    "retry later",
+                    "rate_limit_exceeded",
+                )
+        return w, est, self.uncached_tokens(w, keys, prompt_len, store_hit)[0]
 
     def choose_decode(self) -> WorkerRef:
         pool = self._pool("decode")
@@ -317,9 +325,9 @@ class Router:
         t0 = time.perf_counter()
         ids = req["prompt_ids"]
         keys = self.keyspace.block_keys(ids)  # type: ignore[union-attr]
-        pw, est = await self.choose_prefill(keys, len(ids))
+        pw, est, cost = await self.choose_prefill(keys, len(ids))
         params = {k: req[k] for k in ("max_tokens", "temperature", "seed", "ignore_eos")}
-        pw.queued_tokens += len(ids)
+        pw.queued_tokens += cost
         pw.active += 1
         info: dict = {"prefill_worker": pw.url, "estimated_ttft_ms": round(est * 1000, 2)}
         out: list[int] = []
@@ -334,7 +342,7 @@ class Router:
                 async for msg in self._ndjson(r):
                     if msg["type"] == "token":
                         if not out:
-                            pw.queued_tokens -= len(ids)
+                            pw.queued_tokens -= cost
                         out += msg["ids"]
                         t_tokens += [time.perf_counter()] * len(msg["ids"])
                         yield "token", msg["ids"]
@@ -349,7 +357,7 @@ class Router:
             raise RequestError(502, f"worker {pw.url} failed during prefill: {e}", "server_error") from None
         finally:
             if not out:
-                pw.queued_tokens -= len(ids)
+                pw.queued_tokens -= cost
             pw.active -= 1
         if not out:
             raise RequestError(502, f"worker {pw.url} returned no token", "server_error")
