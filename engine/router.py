@@ -232,7 +232,11 @@ class Router:
         uncached, transfer = self.uncached_tokens(w, keys, prompt_len, store_hit)
         # Effective bandwidth (round trips included), as the workers measured it on real loads.
         bw = w.health.get("store_effective_bandwidth") or 2e9
-        return (w.queued_tokens + uncached) / w.tps() + (transfer / bw if transfer else 0.0)
+        est = (w.queued_tokens + uncached) / w.tps() + (transfer / bw if transfer else 0.0)
+        if w.role == "both":
+            # A colocated worker interleaves the prefill with decode steps of what it runs.
+            est += w.active * (w.health.get("step_s") or 0.0)
+        return est
 
     async def choose_prefill(self, keys: list[bytes], prompt_len: int) -> tuple[WorkerRef, float, int]:
         """The prefill worker, its TTFT estimate, and the tokens it will compute (its queue cost)."""
@@ -240,12 +244,13 @@ class Router:
         if not pool:
             raise RequestError(503, "no prefill worker is available", "service_unavailable")
         store_hit = await self._store_hit(keys)
-        ests = [(self.estimate_ttft(w, keys, prompt_len, store_hit), i, w) for i, w in enumerate(pool)]
+        # Ties (equal estimates) go to the worker with fewer requests in flight.
+        ests = [(self.estimate_ttft(w, keys, prompt_len, store_hit), w.active, i, w) for i, w in enumerate(pool)]
         if self.cfg.routing == "round_robin":
             w = pool[next(self._rr["prefill"]) % len(pool)]
-            est = next(e for e, _, x in ests if x is w)
+            est = next(e for e, _, _, x in ests if x is w)
         else:
-            est, _, w = min(ests)
+            est, _, _, w = min(ests)
             if est > self.cfg.ttft_target_s:
                 raise RequestError(
                     429,

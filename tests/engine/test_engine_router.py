@@ -70,3 +70,10 @@ def test_decode_choice_by_load_and_dead_workers_are_skipped():
     with pytest.raises(RequestError) as ei:
         r.choose_decode()
     assert ei.value.status == 503
+
+
+def test_ties_go_to_the_worker_with_fewer_requests_in_flight():
+    r = make()
+    keys = KS.block_keys(list(range(64)))
+    r.workers[0].active = 3
+    assert choose(r, keys, 64)[0] is r.workers[1]
