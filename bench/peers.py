@@ -937,7 +937,7 @@ def run(
 ) -> dict:
     """Runs the comparison; writes the JSON, the plot and (``report``) the RESULTS.md section.
     Returns the result."""
-    from bench.store_throughput import machine
+    from bench.report import machine
 
     plan = QUICK if quick else FULL
     out = out or RESULTS_DIR / "peers.json"

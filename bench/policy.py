@@ -35,7 +35,6 @@ import inspect
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from collections import OrderedDict
@@ -51,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.report import update_section  # noqa: E402
+from bench.report import machine, update_section  # noqa: E402
 from bench.workloads import Workload, make  # noqa: E402
 from kvstore.errors import ResourceExhausted  # noqa: E402
 from kvstore.extent import extent_size  # noqa: E402
@@ -418,20 +417,6 @@ def missed_targets(result: dict) -> list[dict]:
 
 
 # ---- report ----------------------------------------------------------------------------------
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()} {platform.release()}"
 
 
 def plot(result: dict, path: Path) -> bool:

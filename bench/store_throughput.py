@@ -23,7 +23,6 @@ import asyncio
 import json
 import mmap
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.report import update_section  # noqa: E402
+from bench.report import machine, update_section  # noqa: E402
 from kvstore import KeySpace, KVStoreClient, ModelFingerprint, SyncKVStoreClient  # noqa: E402
 from kvstore.config import ClientConfig  # noqa: E402
 
@@ -229,19 +228,6 @@ async def measure_lookup(meta: str, seconds: float, concurrency: int) -> dict:
         "single_caller_p50_ms": round(single[len(single) // 2] * 1000, 3),
         "single_caller_p99_ms": round(single[int(len(single) * 0.99)] * 1000, 3),
     }
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()} {platform.release()}"
 
 
 def plot(result: dict, path: Path) -> bool:

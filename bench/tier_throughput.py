@@ -42,8 +42,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.report import update_section  # noqa: E402
-from bench.store_throughput import machine  # noqa: E402
+from bench.report import machine, update_section  # noqa: E402
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient  # noqa: E402
 from kvstore.config import ClientConfig  # noqa: E402
 
