@@ -208,9 +208,20 @@ async def part_goodput(quick: bool, ttft_t: float, tpot_t: float) -> dict:
                     good = sum(1 for r in ok if r["ttft_ms"] <= ttft_t * 1000 and (r["tpot_ms"] or 0) <= tpot_t * 1000)
                     per[routing].append({"rate": rate, "attainment": good / len(rows), **summarize(rows)})
         for routing, per_rate in per.items():
-            goodput = max((p["rate"] for p in per_rate if p["attainment"] >= 0.9), default=0.0)
+            goodput = sustained(per_rate)
             out["configs"][f"{mode}, {routing.replace('_', '-')}"] = {"goodput_rps": goodput, "per_rate": per_rate}
     return out
+
+
+def sustained(per_rate: list[dict], slo: float = 0.9) -> float:
+    """Goodput: the highest rate at which, and at every lower rate, at least ``slo`` of the
+    requests met both targets (a noisy curve does not get credit for a lucky high point)."""
+    best = 0.0
+    for p in sorted(per_rate, key=lambda p: p["rate"]):
+        if p["attainment"] < slo:
+            break
+        best = p["rate"]
+    return best
 
 
 async def session(
@@ -306,6 +317,10 @@ def render(r: dict, pngs: list[str]) -> str:
         "",
         f"### Goodput ({r['goodput']['workload']}; targets TTFT {r['goodput']['ttft_target_ms']:.0f} ms, TPOT {r['goodput']['tpot_target_ms']:.0f} ms)",
         "",
+        "Goodput = the highest rate at which, and at every lower rate, >= 90 % of requests met both targets."
+        " Each rate ran both routings on the same processes, alternating which went first; every run had a"
+        " fresh prefix. On 2 cores shared by 4 processes the attainment curves are noisy (+-0.3 at one rate).",
+        "",
         "| configuration | goodput req/s | " + " | ".join(f"{x:g} req/s" for x in r["goodput"]["rates"]) + " |",
         "|---|---|" + "---|" * len(r["goodput"]["rates"]),
     ]
@@ -349,8 +364,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-report", action="store_true")
+    ap.add_argument("--render-only", action="store_true", help="rebuild plots and the report from engine.json")
     ns = ap.parse_args()
-    r = run(ns.quick, not ns.no_report)
+    if ns.render_only:
+        out = REPO / "bench" / "results"
+        r = json.loads((out / "engine.json").read_text())
+        for c in r["goodput"]["configs"].values():
+            c["goodput_rps"] = sustained(c["per_rate"])
+        (out / "engine.json").write_text(json.dumps(r, indent=2) + "\n")
+        update_section("engine", render(r, plot(r, out)))
+    else:
+        r = run(ns.quick, not ns.no_report)
     print(json.dumps({"ttft_over_bound": r["ttft_over_bound"],
                       "goodput": {k: v["goodput_rps"] for k, v in r["goodput"]["configs"].items()}}))  # fmt: skip
     return 0
