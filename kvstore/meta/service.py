@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.config import MetaConfig
 from kvstore.errors import KVStoreError, PermissionDenied
+from kvstore.keys import unpack_keys
 from kvstore.meta.index import (
     Clock,
     DaemonSpec,
@@ -27,7 +28,7 @@ from kvstore.meta.index import (
     Tier,
 )
 from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc, meta_pb2, meta_pb2_grpc
-from kvstore.wire import U8, U32, U64, locations_to_pb, pack, unpack
+from kvstore.wire import U8, U32, U64, daemon_to_pb, locations_to_pb, pack, unpack
 
 log = logging.getLogger("kvstore.meta")
 
@@ -70,12 +71,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         )
         inventory: dict[int, list[InventoryItem]] = {}
         for inv in request.inventory:
-            n = len(inv.keys) // 16
-            if len(inv.keys) % 16:
-                from kvstore.errors import InvalidArgument
-
-                raise InvalidArgument(f"inventory keys: {len(inv.keys)} bytes is not a multiple of 16")
-            keys = [inv.keys[i * 16 : (i + 1) * 16] for i in range(n)]
+            keys = unpack_keys(inv.keys)  # raises InvalidArgument on a partial key
+            n = len(keys)
             offs = unpack(inv.offset, U64, "inventory offset", n)
             lens = unpack(inv.length, U64, "inventory length", n)
             sums = unpack(inv.checksum, U64, "inventory checksum", n)
@@ -179,8 +176,6 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @_handler
     def Stats(self, request, context):
-        from kvstore.wire import daemon_to_pb
-
         idx = self.index
         now = idx.clock.now()
         resp = meta_pb2.StatsResponse(
@@ -240,6 +235,7 @@ class MetaServer:
         self.port = 0
         self._sweeper: asyncio.Task | None = None
         self._tierer: asyncio.Task | None = None
+        self._move_failing: set[str] = set()
         self._daemon_stubs: dict[str, tuple[str, grpc.aio.Channel, daemon_pb2_grpc.DaemonControlStub]] = {}
 
     async def start(self) -> int:
@@ -307,8 +303,14 @@ class MetaServer:
             ok = unpack(resp.ok, U8, "ok", len(moves))
             stored = unpack(resp.stored_size, U64, "stored_size", len(moves))
         except (grpc.aio.AioRpcError, KVStoreError) as e:
-            log.warning("event=moves_failed daemon=%s count=%d reason=%r", daemon_id, len(moves), str(e))
+            # Once per outage: the tier loop retries every tick until the daemon's lease lapses.
+            level = logging.DEBUG if daemon_id in self._move_failing else logging.WARNING
+            self._move_failing.add(daemon_id)
+            reason = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.log(level, "event=moves_failed daemon=%s count=%d reason=%s", daemon_id, len(moves), reason)
             ok, stored = [0] * len(moves), [0] * len(moves)
+        else:
+            self._move_failing.discard(daemon_id)
         for mv, good, size in zip(moves, ok, stored):
             self.index.finish_move(mv.move_id, bool(good), size)
         log.debug("event=moves daemon=%s count=%d ok=%d", daemon_id, len(moves), sum(ok))
