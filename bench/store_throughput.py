@@ -41,21 +41,17 @@ sys.path.insert(0, str(REPO))
 from bench.report import machine, update_section  # noqa: E402
 from kvstore import KeySpace, KVStoreClient, ModelFingerprint, SyncKVStoreClient  # noqa: E402
 from kvstore.config import ClientConfig  # noqa: E402
+from kvstore.procs import start  # noqa: E402
 
 SIZES = {"64KiB": 64 << 10, "512KiB": 512 << 10, "2MiB": 2 << 20}
 
 
 def start_store(dram: str, data_dir: str) -> tuple[subprocess.Popen, dict]:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.cli", "serve", "--listen", "127.0.0.1:0", "--dram", dram, "--data-dir", data_dir,
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, cwd=REPO,
-    )  # fmt: skip
-    for raw in p.stdout:  # type: ignore[union-attr]
-        line = raw.decode()
-        if line.startswith("READY "):
-            return p, json.loads(line[6:])
-    raise RuntimeError("kvstore serve did not start")
+    """``kvstore serve`` on loopback ephemeral ports (one process: metadata service + daemon)."""
+    child = start(
+        ["serve", "--listen", "127.0.0.1:0", "--dram", dram, "--data-dir", data_dir, "--log-level", "warning"], cwd=REPO
+    )
+    return child.proc, child.info
 
 
 RAW_SERVER = textwrap.dedent(

@@ -43,18 +43,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.report import machine, update_section  # noqa: E402
-from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient  # noqa: E402
+from kvstore import (  # noqa: E402
+    KeySpace,
+    ModelFingerprint,
+    SyncKVStoreClient,
+    procs,  # noqa: E402
+)
 from kvstore.config import ClientConfig  # noqa: E402
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen, dict]:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.cli", *args, "--log-level", "warning"], stdout=subprocess.PIPE, cwd=REPO
-    )
-    for raw in p.stdout:  # type: ignore[union-attr]
-        if raw.startswith(b"READY "):
-            return p, json.loads(raw[6:])
-    raise RuntimeError(f"kvstore {args[0]} did not start")
+    child = procs.start([*args, "--log-level", "warning"], cwd=REPO)
+    return child.proc, child.info
 
 
 def aligned(size: int) -> np.ndarray:

@@ -13,10 +13,8 @@ recompute. ``kvstore engine`` runs the same loop with the torch transformer of `
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -52,17 +50,11 @@ class ToyKVModel:
 
 
 def _start_store(data_dir: str, cfg: Config) -> tuple[subprocess.Popen, dict]:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.cli", "serve", "--listen", "127.0.0.1:0", "--data-dir", data_dir,
-         "--dram", str(cfg.daemon.dram_bytes), "--log-level", "warning"],
-        stdout=subprocess.PIPE,
-    )  # fmt: skip
-    assert p.stdout is not None
-    for raw in p.stdout:
-        line = raw.decode()
-        if line.startswith("READY "):
-            return p, json.loads(line[6:])
-    raise RuntimeError("kvstore serve exited before it was ready")
+    from kvstore.procs import start
+
+    child = start(["serve", "--listen", "127.0.0.1:0", "--data-dir", data_dir, "--dram", str(cfg.daemon.dram_bytes),
+                   "--log-level", "warning"])  # fmt: skip
+    return child.proc, child.info
 
 
 def run_demo(cfg: Config, sessions: int = 3, turns: int = 3, seed: int = 0, engine: bool = True) -> int:
