@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import inspect
 import json
 import multiprocessing
 import os
@@ -164,9 +163,6 @@ class _FrozenClock(Clock):
         return self.t
 
 
-_PUT_HAS_CHAIN = "chain" in inspect.signature(Index.put_start).parameters
-
-
 def make_index(capacity: int, block_bytes: int = BLOCK_BYTES) -> Index:
     """An index with one daemon whose one DRAM segment holds exactly ``capacity`` blocks."""
     idx = Index(clock=_FrozenClock())
@@ -184,7 +180,6 @@ def kvstore_hits(stream: Stream, capacity: int, whole_chain: bool = True, index:
     idx = index or make_index(capacity)
     clock = idx.clock
     sizes_cache: dict[int, list[int]] = {}
-    extra = {"chain": True} if _PUT_HAS_CHAIN else {}
     hits = 0
     for packed, t in zip(stream.packed, stream.arrivals):
         clock.t = t  # type: ignore[attr-defined]
@@ -200,7 +195,7 @@ def kvstore_hits(stream: Stream, capacity: int, whole_chain: bool = True, index:
         m = len(keys) // 16
         sizes = sizes_cache.get(m) or sizes_cache.setdefault(m, [BLOCK_BYTES] * m)
         try:
-            put = idx.put_start(keys, sizes, host_id="bench-host", **extra)
+            put = idx.put_start(keys, sizes, host_id="bench-host")
         except ResourceExhausted:  # the stored run fills the segment: nothing can be added
             continue
         if put.placements:

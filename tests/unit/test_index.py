@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 import random
@@ -96,22 +95,15 @@ class Loc(NamedTuple):
     tier: int
 
 
-def L(x) -> Loc:  # noqa: N802
-    """A placement or location in one plain form, whether the index hands out Location tuples or
-    its Replica objects."""
-    seg_ = getattr(x, "segment", None)
-    if seg_ is not None and hasattr(seg_, "daemon"):
-        return Loc(seg_.daemon.spec.daemon_id, seg_.spec.segment_id, x.offset, x.length, x.checksum, seg_.spec.tier)
-    return Loc(x.daemon.daemon_id, x.segment_id, x.offset, x.length, x.checksum, x.tier)
+def L(rep) -> Loc:  # noqa: N802, ANN001
+    """A replica (what placements and locations are) as a plain tuple."""
+    seg_ = rep.segment
+    return Loc(seg_.daemon.spec.daemon_id, seg_.spec.segment_id, rep.offset, rep.length, rep.checksum, seg_.spec.tier)
 
 
 def locs_of(idx: Index, *ids: int) -> list[Loc]:
     """The locations of the leading run of ``ids``."""
-    if "with_locations" in inspect.signature(idx.lookup).parameters:
-        res = idx.lookup(pk(*ids), with_locations=True)
-    else:
-        res = idx.lookup(pk(*ids))
-    return [L(x) for x in res[2]]
+    return [L(x) for x in idx.lookup(pk(*ids), with_locations=True)[2]]
 
 
 def hits(idx: Index, *ids: int) -> int:
