@@ -1,24 +1,22 @@
 """Shared fixtures: real ``kvstore`` processes on loopback ephemeral ports.
 
 Servers print ``READY {json}`` once they accept requests; :class:`Proc` waits for that line
-with a deadline (never a fixed sleep). Daemons' shared-memory files are removed on teardown.
+with a deadline (never a fixed sleep), through :func:`kvstore.procs.start`. Daemons' shared-memory files are removed on teardown.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from kvstore.procs import Child, start
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = [
@@ -30,50 +28,36 @@ FAST = [
 
 
 class Proc:
-    """A ``kvstore`` subcommand running as a separate process."""
+    """A ``kvstore`` subcommand running as a separate process (see :func:`kvstore.procs.start`)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path) -> None:
         self.args = args
         self.log_path = log_path
-        self._log = open(log_path, "ab")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=full_env,
-            cwd=REPO,
-        )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.child: Child | None = None
         self.info: dict = {}
 
-    def _pump(self) -> None:
-        assert self.p.stdout is not None
-        for raw in self.p.stdout:
-            self._lines.put(raw.decode(errors="replace"))
-
     def wait_ready(self, timeout: float = 30.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._lines.get(timeout=0.1)
-            except queue.Empty:
-                if self.p.poll() is not None:
-                    break
-                continue
-            if line.startswith("READY "):
-                self.info = json.loads(line[6:])
-                return self.info
-        raise RuntimeError(f"kvstore {' '.join(self.args)} not ready; log:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            self.child = start(self.args, timeout=timeout, stderr=self._log, cwd=REPO)
+        except RuntimeError:
+            raise RuntimeError(
+                f"kvstore {' '.join(self.args)} not ready; log:\n{self.log_path.read_text()[-3000:]}"
+            ) from None
+        self.info = self.child.info
+        return self.info
+
+    @property
+    def p(self):  # noqa: ANN201 - the Popen, for tests that signal it
+        return self.child.proc  # type: ignore[union-attr]
 
     def kill(self) -> None:
-        if self.p.poll() is None:
+        if self.child is not None and self.child.alive():
             self.p.send_signal(signal.SIGKILL)
             self.p.wait(10)
 
     def stop(self) -> None:
-        if self.p.poll() is None:
+        if self.child is not None and self.child.alive():
             self.p.send_signal(signal.SIGTERM)
             try:
                 self.p.wait(10)

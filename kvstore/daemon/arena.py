@@ -82,9 +82,3 @@ class ShmArena:
             self._map.close()
         except BufferError:
             pass  # a client still holds a view; the mapping dies with the process
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
