@@ -37,6 +37,8 @@ class MetaConfig:
     dram_low_watermark: float = 0.8
     tier_interval_s: float = 0.05
     move_batch_bytes: int = 64 << 20
+    # Deadline of the service's calls to a daemon inside a client's call (commit, tombstones).
+    daemon_rpc_timeout_s: float = 5.0
 
 
 @dataclass

@@ -5,39 +5,57 @@
     offset                      offset+64                        offset+64+length
     | header (64 B)             | payload (length B)             | pad to 256 B |
 
-    header = magic "KVB1" | version u16 | flags u16 | key 16s | length u64 | checksum u64
-             | seq u64 | raw_length u64 | reserved 4 | header_crc u32 (xxh32 of bytes 0..60)
+    header = magic "KVB1" | version u16 (2) | flags u16 | key 16s | length u64 | checksum u64
+             | gen u64 | raw_length u64 | seal u64
 
-A writer first clears the magic, then writes the payload, then the header; so a header whose
-magic, header crc and payload checksum all hold describes a whole block, and a daemon can
-rebuild its inventory from its segment alone (see :func:`scan`). ``checksum`` is xxh3-64 of
-the payload and is verified by every reader after its copy.
+``gen`` is the generation the metadata service gave this placement: unique per placement, so
+a removal or invalidation names exactly one write of a key at an offset and can never hit a
+newer block that reuses the same extent. It is also the write order (the service draws it
+from a nanosecond clock), which :func:`scan` uses where stale headers overlap.
+
+``seal`` is a keyed hash (blake2b-64 under the daemon's secret, :class:`Sealer`) of the first
+56 header bytes and the extent's offset. Only the daemon holds the secret and only the daemon
+writes headers, and only when the metadata service commits a put (or finishes a tier move).
+Writers move payload bytes only. So a header whose seal holds at its offset is a *committed*
+block: a writer that died before its commit, or any process that can write the shared-memory
+arena, cannot make bytes look committed, and a daemon rebuilding its inventory with
+:func:`scan` reports exactly the committed blocks. ``checksum`` is xxh3-64 of the payload and
+is verified by every reader after its copy.
+
+A reader without the secret (a client) can still parse the fields with :func:`parse_fields`
+and must then rely on the key, gen and payload checksum.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import hmac
+import os
 import struct
-import time
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
 MAGIC = b"KVB1"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 64
 ALIGN = 256
-_HEADER = struct.Struct("<4sHH16sQQQQ4x")  # 60 bytes, then the u32 header crc
-_CRC = struct.Struct("<I")
+_HEADER = struct.Struct("<4sHH16sQQQQ")  # 56 bytes, then the u64 seal
+_SEAL = struct.Struct("<Q")
+_OFFSET = struct.Struct("<Q")
 _MAGIC_U32 = int.from_bytes(MAGIC, "little")
 CLEARED = bytes(HEADER_SIZE)
+SECRET_BYTES = 32
 
 
 class ExtentHeader(NamedTuple):
     key: bytes
     length: int  # stored payload bytes
     checksum: int  # xxh3-64 of the raw (uncompressed) payload
-    seq: int
+    gen: int  # the placement's generation (unique; also write order)
     offset: int = 0
     flags: int = 0  # codec bits (SSD segments); 0 = stored raw
     raw_length: int = 0
@@ -56,27 +74,76 @@ def extent_size(length: int, align: int = ALIGN) -> int:
     return (HEADER_SIZE + length + align - 1) // align * align
 
 
-def pack_header(
-    key: bytes, length: int, csum: int, seq: int | None = None, flags: int = 0, raw_length: int | None = None
-) -> bytes:
-    if seq is None:
-        seq = time.time_ns()
-    body = _HEADER.pack(MAGIC, VERSION, flags, key, length, csum, seq, length if raw_length is None else raw_length)
-    return body + _CRC.pack(xxhash.xxh32_intdigest(body))
-
-
-def parse_header(buf, offset: int = 0) -> ExtentHeader | None:  # noqa: ANN001
-    """The header at ``buf[offset:]`` if it is whole (magic, version and crc hold), else None."""
+def parse_fields(buf, offset: int = 0) -> ExtentHeader | None:  # noqa: ANN001
+    """The header fields at ``buf[offset:]`` if magic and version hold, without checking the
+    seal (for readers that do not hold the daemon's secret)."""
     raw = bytes(buf[offset : offset + HEADER_SIZE])
     if len(raw) < HEADER_SIZE or raw[:4] != MAGIC:
         return None
-    body = raw[:60]
-    if _CRC.unpack_from(raw, 60)[0] != xxhash.xxh32_intdigest(body):
-        return None
-    magic, version, flags, key, length, csum, seq, raw_len = _HEADER.unpack(body)
+    _magic, version, flags, key, length, csum, gen, raw_len = _HEADER.unpack_from(raw)
     if version != VERSION:
         return None
-    return ExtentHeader(key, length, csum, seq, offset, flags, raw_len)
+    return ExtentHeader(key, length, csum, gen, offset, flags, raw_len)
+
+
+class Sealer:
+    """Writes and checks the seals of one daemon's headers (its secret never leaves it)."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("a sealing secret must be at least 16 bytes")
+        self._secret = bytes(secret)
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike) -> Sealer:
+        """The secret stored at ``path`` (mode 0600), created once with fresh random bytes.
+        A daemon keeps it next to its state so that its blocks survive its restarts; a lost
+        secret makes every old header unsealed, so nothing old is adopted (fail safe)."""
+        p = Path(path)
+        if not p.exists():
+            # Written whole under a private name, then linked into place: a crash never leaves
+            # a partial secret, and of two daemons starting at once the first link wins.
+            tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, os.urandom(SECRET_BYTES))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, p)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+        secret = p.read_bytes()
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(f"{p} holds {len(secret)} bytes, expected a {SECRET_BYTES}-byte secret")
+        return cls(secret)
+
+    def _seal(self, body: bytes, offset: int) -> bytes:
+        return hashlib.blake2b(body + _OFFSET.pack(offset), key=self._secret, digest_size=8).digest()
+
+    def pack(
+        self, key: bytes, length: int, csum: int, gen: int, offset: int, flags: int = 0, raw_length: int | None = None
+    ) -> bytes:
+        """A sealed header for the extent at ``offset``."""
+        body = _HEADER.pack(MAGIC, VERSION, flags, key, length, csum, gen, length if raw_length is None else raw_length)
+        return body + self._seal(body, offset)
+
+    def parse(self, buf, offset: int = 0, at: int | None = None) -> ExtentHeader | None:  # noqa: ANN001
+        """The header at ``buf[offset:]`` if it is whole and sealed by this daemon for the extent
+        at segment offset ``at`` (default ``offset``), else None."""
+        raw = bytes(buf[offset : offset + HEADER_SIZE])
+        if len(raw) < HEADER_SIZE or raw[:4] != MAGIC:
+            return None
+        body = raw[:56]
+        if not hmac.compare_digest(raw[56:], self._seal(body, offset if at is None else at)):
+            return None
+        _magic, version, flags, key, length, csum, gen, raw_len = _HEADER.unpack(body)
+        if version != VERSION:
+            return None
+        return ExtentHeader(key, length, csum, gen, offset if at is None else at, flags, raw_len)
 
 
 class ScanResult(NamedTuple):
@@ -84,13 +151,13 @@ class ScanResult(NamedTuple):
     discarded: int
 
 
-def scan(segment: np.ndarray, verify: bool = True) -> ScanResult:
-    """Finds whole extents in a segment (a uint8 array), oldest write first.
+def scan(segment: np.ndarray, sealer: Sealer, verify: bool = True) -> ScanResult:
+    """Finds whole, committed extents in a segment (a uint8 array), oldest write first.
 
     Candidates are the ALIGN-aligned offsets holding the magic (found vectorised); each must
-    have a valid header crc, fit in the segment, and (``verify``) match its payload checksum.
-    Where two valid extents overlap (a stale header left inside a newer extent's range), the
-    newer write wins. ``discarded`` counts candidates that failed any check.
+    carry this daemon's seal for its offset, fit in the segment, and (``verify``) match its
+    payload checksum. Where two valid extents overlap (a stale header left inside a newer
+    extent's range), the newer write wins. ``discarded`` counts candidates that failed any check.
     """
     size = segment.size - segment.size % ALIGN
     words = segment[:size].view("<u4")[:: ALIGN // 4]
@@ -98,7 +165,7 @@ def scan(segment: np.ndarray, verify: bool = True) -> ScanResult:
     found: list[ExtentHeader] = []
     discarded = 0
     for off in candidates.tolist():
-        h = parse_header(segment, off)
+        h = sealer.parse(segment, off)
         if h is None or h.flags or off + HEADER_SIZE + h.length > segment.size:
             discarded += 1
             continue
@@ -107,11 +174,9 @@ def scan(segment: np.ndarray, verify: bool = True) -> ScanResult:
             continue
         found.append(h)
     # Resolve overlaps: newest first claims its range.
-    found.sort(key=lambda h: -h.seq)
+    found.sort(key=lambda h: -h.gen)
     taken: list[tuple[int, int]] = []
     kept: list[ExtentHeader] = []
-    import bisect
-
     for h in found:
         lo, hi = h.offset, h.offset + extent_size(h.length)
         i = bisect.bisect_left(taken, (lo, hi))
@@ -120,5 +185,5 @@ def scan(segment: np.ndarray, verify: bool = True) -> ScanResult:
             continue
         taken.insert(i, (lo, hi))
         kept.append(h)
-    kept.sort(key=lambda h: h.seq)
+    kept.sort(key=lambda h: h.gen)
     return ScanResult(kept, discarded)

@@ -40,7 +40,9 @@ def daemon_to_pb(spec) -> pb.DaemonInfo:  # noqa: ANN001 - kvstore.meta.index.Da
     )
 
 
-ROW_DTYPE = np.dtype([("ref", "<u4"), ("reserved", "<u4"), ("offset", "<u8"), ("length", "<u8"), ("checksum", "<u8")])
+ROW_DTYPE = np.dtype(
+    [("ref", "<u4"), ("reserved", "<u4"), ("offset", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("gen", "<u8")]
+)
 
 
 def locations_to_pb(replicas: Sequence) -> pb.Locations:  # noqa: ANN001 - index.Replica
@@ -67,6 +69,7 @@ class Placement(NamedTuple):
     offset: int
     length: int
     checksum: int
+    gen: int = 0
 
     @property
     def segment_id(self) -> int:
@@ -86,7 +89,9 @@ def locations_from_pb(msg: pb.Locations, count: int) -> list[Placement]:
             seg = pb.Segment(segment_id=ref.segment_id, tier=ref.tier)
         table[ref.ref] = (ref.daemon, seg)
     out = []
-    for ref, _r, off, length, csum in np.frombuffer(msg.rows, dtype=ROW_DTYPE).tolist():
+    for ref, _r, off, length, csum, gen in np.frombuffer(msg.rows, dtype=ROW_DTYPE).tolist():
+        if ref not in table:
+            raise InvalidArgument(f"locations: row names segment ref {ref}, which the message does not describe")
         daemon, seg = table[ref]
-        out.append(Placement(daemon, seg, off, length, csum))
+        out.append(Placement(daemon, seg, off, length, csum, gen))
     return out

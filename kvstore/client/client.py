@@ -25,7 +25,7 @@ import numpy as np
 
 from kvstore.client.buffers import byte_view
 from kvstore.config import ClientConfig, default_host_id
-from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, from_rpc_error
+from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, from_rpc_error
 from kvstore.extent import checksum
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.meta.service import GRPC_OPTIONS
@@ -39,6 +39,9 @@ log = logging.getLogger("kvstore.client")
 # Copies larger than this run in a worker thread so the event loop stays responsive, and are
 # split over ``client.io_threads`` threads (memcpy and xxh3 release the GIL).
 _INLINE_COPY_BYTES = 8 << 20
+
+# CommitStatus (common.proto)
+_COMMIT_OK, _COMMIT_NOT_WRITTEN, _COMMIT_MISMATCH, _COMMIT_NO_SPACE, _COMMIT_UNAVAILABLE = range(5)
 
 
 class PutResult(NamedTuple):
@@ -199,7 +202,7 @@ class KVStoreClient:
             while j < hi and places[j].daemon.daemon_id == p.daemon.daemon_id and not self._use_shm(places[j]):
                 j += 1
             items = [
-                (keys[k], places[k].segment_id, places[k].offset, places[k].length, places[k].checksum)
+                (keys[k], places[k].segment_id, places[k].offset, places[k].length, places[k].checksum, places[k].gen)
                 for k in range(i, j)
             ]
             try:
@@ -213,6 +216,19 @@ class KVStoreClient:
                     return i + k, [i + k]
             i = j
         return hi, []
+
+    def _abort(self, put_id: int) -> None:
+        """Gives a put's reservation back without waiting for the answer."""
+
+        async def go() -> None:
+            try:
+                await self._stub.PutAbort(meta_pb2.PutAbortRequest(put_id=put_id), timeout=self.cfg.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.info("event=abort_failed put=%d code=%s", put_id, e.code().name)
+
+        task = asyncio.get_running_loop().create_task(go())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def _release(self, lease_id: int, corrupt: list[int]) -> None:
         """Ends a lease without waiting for the answer (the lease would lapse anyway)."""
@@ -256,7 +272,7 @@ class KVStoreClient:
         for i, s in enumerate(srcs):
             if s.size == 0:
                 raise InvalidArgument(f"buffers[{i}] is empty: blocks must hold at least one byte")
-        stored = skipped = rejected = 0
+        stored = skipped = rejected = no_space = 0
         todo = list(range(n))
         excluded: list[str] = []
         for attempt in range(self.cfg.retries + 1):
@@ -281,25 +297,38 @@ class KVStoreClient:
             places = locations_from_pb(resp.placements, len(alloc))
             total = sum(srcs[i].size for i in alloc)
             args = (packed, alloc, places, srcs)
-            if total > _INLINE_COPY_BYTES:
-                sums, written, failed = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self._write_all, *args
-                )
-            else:
-                sums, written, failed = self._write_all(*args)
+            try:
+                if total > _INLINE_COPY_BYTES:
+                    sums, written, failed = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, self._write_all, *args
+                    )
+                else:
+                    sums, written, failed = self._write_all(*args)
+            except BaseException:
+                self._abort(resp.put_id)  # the reservation goes now, not at its deadline
+                raise
             commit = await self._rpc(
                 self._stub.PutCommit,
                 meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack(sums, U64), written=pack(written, U8)),
             )
             stored += commit.committed
-            todo = [i for i, w in zip(alloc, written) if not w]
+            outcome = unpack(commit.status, U8, "status", len(alloc)) if commit.status else [0] * len(alloc)
+            no_space += sum(1 for st in outcome if st == _COMMIT_NO_SPACE)
+            rejected += sum(1 for st in outcome if st == _COMMIT_NO_SPACE)
+            # Not written, or its daemon could not commit it: try again on another daemon.
+            todo = [i for i, st in zip(alloc, outcome) if st not in (_COMMIT_OK, _COMMIT_NO_SPACE)]
             if not todo:
                 break
-            excluded.extend(d for d in failed if d not in excluded)
+            failed += [
+                p.daemon.daemon_id for p, st in zip(places, outcome) if st in (_COMMIT_MISMATCH, _COMMIT_UNAVAILABLE)
+            ]
+            excluded.extend(d for d in dict.fromkeys(failed) if d not in excluded)
             log.info("event=put_retry blocks=%d excluded=%s", len(todo), ",".join(excluded))
         else:
             if todo:
                 raise Unavailable(f"put: {len(todo)} blocks could not be written after {self.cfg.retries + 1} attempts")
+        if no_space and not stored and not skipped:
+            raise ResourceExhausted(f"put: no space to store {no_space} blocks (a daemon's storage is full)")
         return PutResult(stored, skipped, rejected)
 
     def _write_all(
@@ -330,14 +359,13 @@ class KVStoreClient:
             sums.append(csum)
             if self._use_shm(p):
                 arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)
-                ShmTransport.write(arena, p.offset, packed[i * KEY_BYTES : (i + 1) * KEY_BYTES], src, csum)
-                written[k - lo] = 1
+                written[k - lo] = int(ShmTransport.write(arena, p.offset, src))
             else:
                 tcp_groups.setdefault(p.daemon.data_addr, []).append(k)
         for addr, ks in tcp_groups.items():
             items = [
                 (packed[alloc[k] * KEY_BYTES : (alloc[k] + 1) * KEY_BYTES], places[k].segment_id, places[k].offset,
-                 places[k].length, sums[k - lo])
+                 places[k].length, sums[k - lo], places[k].gen)
                 for k in ks
             ]  # fmt: skip
             try:

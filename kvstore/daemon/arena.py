@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.extent import CLEARED, HEADER_SIZE, parse_header
+from kvstore.extent import CLEARED, HEADER_SIZE, Sealer
 
 
 class ShmArena:
@@ -65,12 +65,22 @@ class ShmArena:
     def clear_header(self, offset: int) -> None:
         self.view[offset : offset + HEADER_SIZE] = CLEARED
 
-    def invalidate(self, offset: int, key: bytes) -> bool:
-        """Clears the header at ``offset`` if it still describes ``key`` (not a newer block)."""
+    def commit(self, sealer: Sealer, offset: int, key: bytes, length: int, csum: int, gen: int) -> bool:
+        """Writes the sealed header that makes the payload at ``offset`` a committed block
+        (the daemon does this when the metadata service commits the put). False if the extent
+        does not fit the segment."""
+        if not 0 <= offset <= self.size - HEADER_SIZE - length or length < 0:
+            return False
+        self.view[offset : offset + HEADER_SIZE] = sealer.pack(key, length, csum, gen, offset)
+        return True
+
+    def invalidate(self, sealer: Sealer, offset: int, key: bytes, gen: int) -> bool:
+        """Clears the header at ``offset`` if it is the committed block (``key``, ``gen``): a
+        newer block in the same extent has another generation and is left alone."""
         if not 0 <= offset <= self.size - HEADER_SIZE:
             return False
-        h = parse_header(self.view, offset)
-        if h is not None and h.key == key:
+        h = sealer.parse(self.view, offset)
+        if h is not None and h.key == key and h.gen == gen:
             self.clear_header(offset)
             return True
         return False

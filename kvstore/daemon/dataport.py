@@ -4,6 +4,10 @@
 One thread per connection with blocking sockets: ``recv_into`` the arena and ``sendall`` from
 it release the GIL, so the kernel copy is the only copy. Frames are validated whole before any
 byte is applied; a bad frame gets its reason back and the connection is closed.
+
+A WRITE only lands payload bytes (DRAM: into the extent, after clearing its header; SSD: a
+pending block); the block is stored only when the metadata service commits the put. A READ is
+served only from a committed block of the named key and generation.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.ssd import SsdSegment
-from kvstore.extent import HEADER_SIZE, checksum, pack_header, parse_header
+from kvstore.extent import HEADER_SIZE, Sealer, checksum
 from kvstore.transport.frames import (
     ENTRY,
     MAGIC,
@@ -47,8 +51,9 @@ class FrameError(Exception):
 class DataPort:
     """Serves the segments returned by ``segments()`` (segment_id -> arena) on a TCP port."""
 
-    def __init__(self, host: str, port: int, segments: Callable[[], dict]) -> None:
+    def __init__(self, host: str, port: int, segments: Callable[[], dict], sealer: Sealer) -> None:
         self._segments = segments
+        self._sealer = sealer
         self._sock = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
@@ -128,7 +133,7 @@ class DataPort:
     def _check(self, entries: list[tuple], op: int) -> list:
         segs = self._segments()
         arenas = []
-        for i, (_key, seg_id, _r, off, length, _c) in enumerate(entries):
+        for i, (_key, seg_id, _r, off, length, _c, _g) in enumerate(entries):
             arena = segs.get(seg_id)
             if arena is None:
                 raise FrameError(f"entry {i}: unknown segment {seg_id}")
@@ -147,6 +152,7 @@ class DataPort:
         ahead: dict[int, Future] = {}
         ssd_idx = [i for i, seg in enumerate(arenas) if isinstance(seg, SsdSegment)]
         longest = max((entries[i][4] for i in ssd_idx), default=0)
+        sealer = self._sealer
         ring = self._ring(SsdSegment.staging_bytes(longest) if longest else 0, READ_AHEAD + 1)
         next_ssd = 0
 
@@ -154,21 +160,21 @@ class DataPort:
             nonlocal next_ssd
             while next_ssd < len(ssd_idx) and next_ssd < limit:
                 i = ssd_idx[next_ssd]
-                key, _s, _r, off, length, _c = entries[i]
+                key, _s, _r, off, length, _c, gen = entries[i]
                 staging = ring[next_ssd % len(ring)]
-                ahead[i] = self._io.submit(arenas[i].read, off, key, length, None, staging)
+                ahead[i] = self._io.submit(arenas[i].read, off, key, length, None, staging, gen)
                 next_ssd += 1
 
         done_ssd = 0
-        for i, ((key, _s, _r, off, length, _c), seg) in enumerate(zip(entries, arenas)):
+        for i, ((key, _s, _r, off, length, _c, gen), seg) in enumerate(zip(entries, arenas)):
             if isinstance(seg, SsdSegment):
                 submit_upto(done_ssd + READ_AHEAD)
                 st, payload = ahead.pop(i).result()
                 done_ssd += 1
                 status = EntryStatus.OK if st.ok else _READ_STATUS.get(st.reason, EntryStatus.MISMATCH)
             else:
-                h = parse_header(seg.view, off)
-                ok = h is not None and h.key == key and h.length == length
+                h = sealer.parse(seg.view, off)
+                ok = h is not None and h.key == key and h.length == length and h.gen == gen
                 status = EntryStatus.OK if ok else EntryStatus.MISMATCH
                 payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length] if ok else None
             conn.sendall(bytes((status,)))
@@ -192,7 +198,7 @@ class DataPort:
     def _write(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list) -> None:
         status = bytearray(len(entries))
         total = 0
-        for i, ((key, _s, _r, off, length, csum), seg) in enumerate(zip(entries, arenas)):
+        for i, ((key, _s, _r, off, length, csum, gen), seg) in enumerate(zip(entries, arenas)):
             if isinstance(seg, ShmArena):
                 seg.clear_header(off)
                 payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length]
@@ -201,7 +207,6 @@ class DataPort:
                 if checksum(payload) != csum:
                     status[i] = EntryStatus.CHECKSUM
                     continue
-                seg.view[off : off + HEADER_SIZE] = pack_header(key, length, csum)
             else:
                 staging = self._staging(length)
                 if not recv_exact(conn, memoryview(staging)):
@@ -210,7 +215,7 @@ class DataPort:
                     status[i] = EntryStatus.CHECKSUM
                     continue
                 try:
-                    seg.write(off, key, staging, csum)
+                    seg.write(off, key, staging, csum, gen)
                 except (OSError, ValueError) as e:
                     log.warning("event=ssd_write_failed key=%s reason=%r", key.hex(), str(e))
                     status[i] = EntryStatus.IO_ERROR

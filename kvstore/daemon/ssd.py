@@ -8,14 +8,20 @@ journal makes recovery O(live blocks): replay it, then check each block's header
 ::
 
     <dir>/ssd-<segment>.data      capacity bytes, fallocated; extent = 64 B header | stored payload | pad to 4 KiB
-    <dir>/ssd-<segment>.journal   records: magic "KVJ1" | op u8 | pad 3 | key 16s | offset u64 | size u64
-                                           | length u64 | checksum u64 | seq u64 | crc u32 (xxh32 of the rest)
+    <dir>/ssd-<segment>.journal   records: magic "KVJ2" | op u8 | pad 3 | key 16s | offset u64 | size u64
+                                           | length u64 | checksum u64 | gen u64 | crc u32 (xxh32 of the rest)
 
-A block is written (one pwrite of header + payload), then its ADD record is appended; a freed
-block gets a DEL record. A crash between the two leaves no record, so the block is simply not
-adopted. Durability (``daemon.ssd_durability``): ``fast`` leaves flushing to the OS, which is
+A block is written (one pwrite of its sealed header + payload) and is then *pending*: only when
+the metadata service commits the put (:meth:`SsdSegment.commit`, or a finished tier move) is
+its ADD record appended, so a writer that never committed leaves nothing that recovery adopts.
+A removed or evicted block gets a DEL record naming its generation (a newer block in the same
+extent has another one and stays). If the journal cannot grow (a full file system), a commit
+answers :class:`~kvstore.errors.ResourceExhausted` and nothing is half-appended (the journal is
+cut back to its last whole record); a DEL that cannot be appended clears the block's header on
+disk instead, so the block can never be adopted again.
+Durability (``daemon.ssd_durability``): ``fast`` leaves flushing to the OS, which is
 enough for any process crash (the page cache survives it); ``durable`` fsyncs data and journal
-before a write is acknowledged, which is what survives power loss.
+before a commit or removal is acknowledged, which is what survives power loss.
 
 Compression (``daemon.ssd_compress``): ``auto`` tries lz4 on a sample of each block, plain and
 byte-shuffled (the two bytes of each 16-bit element split into planes, as blosc does), and
@@ -30,6 +36,8 @@ the stored bytes too.
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import struct
@@ -40,7 +48,10 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from kvstore.extent import HEADER_SIZE, SSD_ALIGN, ExtentHeader, checksum, extent_size, pack_header, parse_header
+from kvstore.errors import ResourceExhausted
+from kvstore.extent import HEADER_SIZE, SSD_ALIGN, ExtentHeader, Sealer, checksum, extent_size
+
+log = logging.getLogger("kvstore.daemon.ssd")
 
 F_LZ4 = 1
 F_SHUFFLE2 = 2
@@ -48,7 +59,7 @@ F_SHUFFLE2 = 2
 _REC = struct.Struct("<4sB3x16sQQQQQ")
 _CRC = struct.Struct("<I")
 REC_SIZE = _REC.size + _CRC.size
-_JMAGIC = b"KVJ1"
+_JMAGIC = b"KVJ2"
 OP_ADD, OP_DEL = 1, 2
 _SAMPLE = 64 << 10
 
@@ -59,7 +70,7 @@ class SsdBlock(NamedTuple):
     size: int  # extent bytes
     length: int  # raw payload bytes
     checksum: int
-    seq: int
+    gen: int  # the placement's generation (also write order)
 
 
 class ReadStatus(NamedTuple):
@@ -153,6 +164,7 @@ class SsdSegment:
         direct_io: bool = True,
         durability: str = "fast",
         compress_policy: str = "auto",
+        sealer: Sealer | None = None,
     ) -> None:
         if durability not in ("fast", "durable"):
             raise ValueError(f"ssd durability must be fast or durable, got {durability!r}")
@@ -164,6 +176,7 @@ class SsdSegment:
         self.compress_policy = compress_policy
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
+        self.sealer = sealer or Sealer.load_or_create(d / "ssd.secret")
         self.path = d / f"ssd-{segment_id}.data"
         self.journal_path = d / f"ssd-{segment_id}.journal"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -187,32 +200,56 @@ class SsdSegment:
         else:
             self._fd = os.open(self.path, flags)
         self._jlock = threading.Lock()
-        self._journal = open(self.journal_path, "ab")  # noqa: SIM115 - lives as long as the segment
+        # Unbuffered appends: a failed write leaves nothing queued that a later flush or close
+        # could trip over.
+        self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._jsize = os.fstat(self._jfd).st_size
         self._records = 0
-        self._live: dict[int, SsdBlock] = {}  # offset -> block: the inventory, and for compaction
-        self._seq = 0
+        self._compact_at = 100_000
+        self._live: dict[int, SsdBlock] = {}  # offset -> committed block: the inventory
+        self._pending: dict[int, SsdBlock] = {}  # offset -> written, not yet committed
         self._buf = _Aligned()
         self.counters = {"writes": 0, "write_bytes": 0, "stored_bytes": 0, "compressed": 0, "reads": 0,
-                         "read_bytes": 0, "checksum_failures": 0, "recovered": 0, "discarded": 0}  # fmt: skip
+                         "read_bytes": 0, "checksum_failures": 0, "recovered": 0, "discarded": 0,
+                         "commits": 0, "journal_full": 0}  # fmt: skip
 
     # ---- journal ----------------------------------------------------------------------------
 
-    def _append(self, op: int, key: bytes, offset: int, size: int, length: int, csum: int) -> None:
-        with self._jlock:
-            self._seq += 1
-            body = _REC.pack(_JMAGIC, op, key, offset, size, length, csum, self._seq)
-            self._journal.write(body + _CRC.pack(xxhash.xxh32_intdigest(body)))
-            self._records += 1
-            if op == OP_ADD:
-                self._live[offset] = SsdBlock(key, offset, size, length, csum, self._seq)
-            else:
-                self._live.pop(offset, None)
-            self._journal.flush()
+    def _append(self, op: int, key: bytes, offset: int, size: int, length: int, csum: int, gen: int) -> None:
+        """Appends one record (the caller holds the journal lock). Raises ResourceExhausted when
+        the file system is full and OSError on other failures; either way the journal is left
+        ending in whole records and the in-memory state is unchanged."""
+        body = _REC.pack(_JMAGIC, op, key, offset, size, length, csum, gen)
+        rec = body + _CRC.pack(xxhash.xxh32_intdigest(body))
+        try:
+            n = os.write(self._jfd, rec)
+            if n != len(rec):
+                raise OSError(errno.ENOSPC, f"short journal write ({n} of {len(rec)} bytes)")
             if self.durable:
                 os.fsync(self._fd)
-                os.fsync(self._journal.fileno())
-            if self._records > 4 * len(self._live) + 100_000:
-                self._compact_locked()
+                os.fsync(self._jfd)
+        except OSError as e:
+            self._cut_journal()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.counters["journal_full"] += 1
+                raise ResourceExhausted(f"SSD journal {self.journal_path}: no space left on the file system") from None
+            raise
+        self._jsize += len(rec)
+        self._records += 1
+        if op == OP_ADD:
+            self._live[offset] = SsdBlock(key, offset, size, length, csum, gen)
+        else:
+            self._live.pop(offset, None)
+        if self._records > max(4 * len(self._live), self._compact_at):
+            self._compact_locked()
+
+    def _cut_journal(self) -> None:
+        """Cuts a partly written record off the journal's end."""
+        try:
+            if os.fstat(self._jfd).st_size > self._jsize:
+                os.truncate(self.journal_path, self._jsize)
+        except OSError as e:  # the next replay stops at the torn record anyway
+            log.warning("event=journal_cut_failed path=%s reason=%r", self.journal_path, str(e))
 
     def _replay(self) -> tuple[dict[int, tuple], int]:
         """Live records by offset, and the byte length of the whole (untorn) journal."""
@@ -226,30 +263,38 @@ class SsdSegment:
             body = raw[pos : pos + _REC.size]
             if _CRC.unpack_from(raw, pos + _REC.size)[0] != xxhash.xxh32_intdigest(body):
                 break  # a torn or damaged tail: nothing after it is trusted
-            magic, op, key, offset, size, length, csum, seq = _REC.unpack(body)
+            magic, op, key, offset, size, length, csum, gen = _REC.unpack(body)
             if magic != _JMAGIC:
                 break
-            self._seq = max(self._seq, seq)
             if op == OP_ADD:
-                live[offset] = (key, offset, size, length, csum, seq)
-            elif op == OP_DEL and live.get(offset, (None,))[0] == key:
+                live[offset] = (key, offset, size, length, csum, gen)
+            elif op == OP_DEL and live.get(offset, (None,))[0] == key and live[offset][5] == gen:
                 del live[offset]
             good = pos + REC_SIZE
         return live, good
 
     def _compact_locked(self) -> None:
-        """Rewrites the journal with one ADD per live block (atomic rename)."""
+        """Rewrites the journal with one ADD per live block (atomic rename). On a full file
+        system the old journal stays and compaction is tried again after as many records."""
         tmp = self.journal_path.with_suffix(".journal.tmp")
-        with open(tmp, "wb") as f:
-            for b in sorted(self._live.values(), key=lambda b: b.seq):
-                body = _REC.pack(_JMAGIC, OP_ADD, b.key, b.offset, b.size, b.length, b.checksum, b.seq)
-                f.write(body + _CRC.pack(xxhash.xxh32_intdigest(body)))
-            f.flush()
-            os.fsync(f.fileno())
-        self._journal.close()
+        try:
+            with open(tmp, "wb") as f:
+                for b in sorted(self._live.values(), key=lambda b: b.gen):
+                    body = _REC.pack(_JMAGIC, OP_ADD, b.key, b.offset, b.size, b.length, b.checksum, b.gen)
+                    f.write(body + _CRC.pack(xxhash.xxh32_intdigest(body)))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self._compact_at = 2 * self._records
+            log.warning("event=journal_compaction_failed path=%s reason=%r", self.journal_path, str(e))
+            return
         os.replace(tmp, self.journal_path)
-        self._journal = open(self.journal_path, "ab")  # noqa: SIM115
+        os.close(self._jfd)
+        self._jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND)
+        self._jsize = os.fstat(self._jfd).st_size
         self._records = len(self._live)
+        self._compact_at = 100_000
 
     # ---- blocks -----------------------------------------------------------------------------
 
@@ -259,33 +304,53 @@ class SsdSegment:
                 f"extent at {offset} of {size} bytes is outside segment {self.segment_id} ({self.size} bytes)"
             )
 
-    def write(self, offset: int, key: bytes, raw: np.ndarray, csum: int) -> int:
-        """Stores one block at ``offset`` (its extent was reserved for ``raw.size`` bytes).
-        Returns the extent bytes actually used (smaller when compressed)."""
+    def write(self, offset: int, key: bytes, raw: np.ndarray, csum: int, gen: int) -> int:
+        """Stores one block at ``offset`` (its extent was reserved for ``raw.size`` bytes) as
+        *pending*: it is adopted by nothing until :meth:`commit`. Returns the extent bytes
+        actually used (smaller when compressed)."""
         reserved = extent_size(raw.size, SSD_ALIGN)
         self._check_range(offset, reserved)
         flags, stored = compress(raw, self.compress_policy)
         length = len(stored) if stored is not None else raw.size
         size = extent_size(length, SSD_ALIGN)
         buf = self._buf.get(size)
-        buf[:HEADER_SIZE] = np.frombuffer(pack_header(key, length, csum, flags=flags, raw_length=raw.size), np.uint8)
+        hdr = self.sealer.pack(key, length, csum, gen, offset, flags=flags, raw_length=raw.size)
+        buf[:HEADER_SIZE] = np.frombuffer(hdr, np.uint8)
         buf[HEADER_SIZE : HEADER_SIZE + length] = np.frombuffer(stored, np.uint8) if stored is not None else raw
         buf[HEADER_SIZE + length :] = 0
         written = os.pwrite(self._fd, buf, offset)
         if written != size:
             raise OSError(f"short write to {self.path}: {written} of {size} bytes")
-        self._append(OP_ADD, key, offset, size, raw.size, csum)
+        with self._jlock:
+            self._pending.pop(offset, None)
+            self._pending[offset] = SsdBlock(key, offset, size, raw.size, csum, gen)
+            while len(self._pending) > 65536:  # writers that never committed nor aborted
+                del self._pending[next(iter(self._pending))]
         self.counters["writes"] += 1
         self.counters["write_bytes"] += raw.size
         self.counters["stored_bytes"] += length
         self.counters["compressed"] += int(flags != 0)
         return size
 
+    def commit(self, offset: int, key: bytes, gen: int) -> SsdBlock | None:
+        """Makes the pending block (``key``, ``gen``) at ``offset`` a committed one (its journal
+        record is appended, and fsynced in durable mode). None if no such block was written;
+        raises ResourceExhausted when the journal cannot grow."""
+        with self._jlock:
+            b = self._pending.get(offset)
+            if b is None or b.key != key or b.gen != gen:
+                live = self._live.get(offset)
+                return live if live is not None and live.key == key and live.gen == gen else None
+            self._append(OP_ADD, key, offset, b.size, b.length, b.checksum, gen)
+            del self._pending[offset]
+            self.counters["commits"] += 1
+            return b
+
     def _header(self, offset: int) -> ExtentHeader | None:
         buf = self._buf.get(SSD_ALIGN)
         if os.preadv(self._fd, [buf], offset) != SSD_ALIGN:
             return None
-        return parse_header(buf, 0)
+        return self.sealer.parse(buf, 0, at=offset)
 
     def read(
         self,
@@ -294,10 +359,12 @@ class SsdSegment:
         length: int,
         out: np.ndarray | None = None,
         staging: np.ndarray | None = None,
+        gen: int | None = None,
     ) -> tuple[ReadStatus, np.ndarray | None]:
-        """Reads and verifies one block's raw payload. Returns it: a view of ``out`` if given,
-        else of ``staging`` (a page-aligned buffer of at least :meth:`staging_bytes`, read into
-        directly), else of a per-thread buffer valid until this thread's next read."""
+        """Reads and verifies one block's raw payload (and, given ``gen``, that it is that
+        generation). Returns it: a view of ``out`` if given, else of ``staging`` (a page-aligned
+        buffer of at least :meth:`staging_bytes`, read into directly), else of a per-thread
+        buffer valid until this thread's next read."""
         reserved = extent_size(length, SSD_ALIGN)
         try:
             self._check_range(offset, reserved)
@@ -311,8 +378,10 @@ class SsdSegment:
             got = os.preadv(self._fd, [buf[:reserved]], offset)
         except OSError:
             return ReadStatus(False, "io"), None
-        h = parse_header(buf, 0) if got >= HEADER_SIZE else None
+        h = self.sealer.parse(buf, 0, at=offset) if got >= HEADER_SIZE else None
         if h is None or h.key != key or h.raw_length != length or HEADER_SIZE + h.length > got:
+            return ReadStatus(False, "mismatch"), None
+        if gen is not None and h.gen != gen:
             return ReadStatus(False, "mismatch"), None
         stored = buf[HEADER_SIZE : HEADER_SIZE + h.length]
         dest = out if out is not None else (buf[reserved : reserved + length] if h.flags else stored)
@@ -334,14 +403,29 @@ class SsdSegment:
         """Size of a staging buffer that :meth:`read` can use for a block of ``length`` bytes."""
         return extent_size(length, SSD_ALIGN) + length
 
-    def invalidate(self, offset: int, key: bytes) -> bool:
-        """Forgets a freed block (a DEL record), unless a newer block now lives there."""
+    def invalidate(self, offset: int, key: bytes, gen: int) -> bool:
+        """Forgets the block (``key``, ``gen``) at ``offset`` (a DEL record), unless a newer
+        block now lives there. Where the journal cannot grow, the block's header is cleared on
+        disk instead, so that no recovery adopts it."""
         with self._jlock:
+            p = self._pending.get(offset)
+            if p is not None and p.key == key and p.gen == gen:
+                del self._pending[offset]
+                return True
             b = self._live.get(offset)
-            if b is None or b.key != key:
+            if b is None or b.key != key or b.gen != gen:
                 return False
-        self._append(OP_DEL, key, offset, 0, 0, 0)
-        return True
+            try:
+                self._append(OP_DEL, key, offset, 0, 0, 0, gen)
+            except (ResourceExhausted, OSError) as e:
+                log.warning("event=ssd_del_not_journaled offset=%d reason=%r action=clear_header", offset, str(e))
+                zero = self._buf.get(SSD_ALIGN)
+                zero[:] = 0
+                os.pwrite(self._fd, zero, offset)
+                if self.durable:
+                    os.fsync(self._fd)
+                self._live.pop(offset, None)
+            return True
 
     def recover(self, verify: bool = True) -> tuple[list[SsdBlock], int]:
         """Replays the journal (discarding a torn tail), keeps each block whose header (and,
@@ -349,11 +433,10 @@ class SsdSegment:
         oldest first, and how many records were discarded."""
         live, good = self._replay()
         with self._jlock:
-            size = self.journal_path.stat().st_size if self.journal_path.exists() else 0
+            size = os.fstat(self._jfd).st_size
             if size > good:  # cut the torn tail so that new records follow whole ones
-                self._journal.close()
                 os.truncate(self.journal_path, good)
-                self._journal = open(self.journal_path, "ab")  # noqa: SIM115
+            self._jsize = good
         records = sorted(live.values(), key=lambda r: r[1])
         # Verify in large sequential windows: one read covers many neighbouring extents.
         ok_flags = self._verify_windows(records, verify)
@@ -364,20 +447,22 @@ class SsdSegment:
             self._compact_locked()
         self.counters["recovered"] = len(found)
         self.counters["discarded"] = discarded
-        found.sort(key=lambda h: h.seq)
+        found.sort(key=lambda h: h.gen)
         return found, discarded
 
     def _verify_windows(self, records: list[tuple], verify: bool, window: int = 8 << 20) -> list[bool]:
         out: list[bool] = []
         buf = self._buf.get(window)
         lo = hi = -1
-        for key, offset, size, length, csum, _seq in records:
+        for key, offset, size, length, csum, gen in records:
             if offset < 0 or offset % SSD_ALIGN or offset + size > self.size or size < HEADER_SIZE:
                 out.append(False)
                 continue
             if size > window:  # a block larger than the window: read it alone (reuses the buffer)
                 out.append(
-                    self.read(offset, key, length)[0].ok if verify else self._header_ok(offset, key, length, csum)
+                    self.read(offset, key, length, gen=gen)[0].ok
+                    if verify
+                    else self._header_ok(offset, key, length, csum, gen)
                 )
                 lo = hi = -1
                 continue
@@ -389,8 +474,8 @@ class SsdSegment:
                     out.append(False)
                     continue
             rel = offset - lo
-            h = parse_header(buf, rel)
-            ok = h is not None and h.key == key and h.raw_length == length and h.checksum == csum
+            h = self.sealer.parse(buf, rel, at=offset)
+            ok = h is not None and h.key == key and h.raw_length == length and h.checksum == csum and h.gen == gen
             ok = ok and HEADER_SIZE + h.length <= size  # type: ignore[union-attr]
             if ok and verify:
                 stored = buf[rel + HEADER_SIZE : rel + HEADER_SIZE + h.length]  # type: ignore[union-attr]
@@ -402,16 +487,21 @@ class SsdSegment:
             out.append(ok)
         return out
 
-    def _header_ok(self, offset: int, key: bytes, length: int, csum: int) -> bool:
+    def _header_ok(self, offset: int, key: bytes, length: int, csum: int, gen: int) -> bool:
         h = self._header(offset)
-        return h is not None and h.key == key and h.raw_length == length and h.checksum == csum
+        return h is not None and h.key == key and h.raw_length == length and h.checksum == csum and h.gen == gen
 
     def inventory(self) -> list[SsdBlock]:
         """The blocks this segment holds now, oldest first (from the journal's live set)."""
         with self._jlock:
-            return sorted(self._live.values(), key=lambda b: b.seq)
+            return sorted(self._live.values(), key=lambda b: b.gen)
 
     def close(self) -> None:
+        """Closes the files; never raises (nothing is buffered: every record was written whole
+        or cut back)."""
         with self._jlock:
-            self._journal.close()
-        os.close(self._fd)
+            for fd in (self._jfd, self._fd):
+                try:
+                    os.close(fd)
+                except OSError as e:
+                    log.warning("event=ssd_close_failed path=%s reason=%r", self.path, str(e))

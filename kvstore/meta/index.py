@@ -15,6 +15,15 @@ leased nor pinned (those are not in the LRU at all, so they can never be picked)
 touches a chain's keys from tail to head, so a chain's head is always more recent than its tail
 and the tail is dropped first: a block is worthless without its predecessors.
 
+Generations and tombstones. Every placement gets a generation (unique, from a nanosecond
+clock), which the daemon's sealed header of the block carries. A committed block that leaves the
+index with its extent freed (removed, evicted, moved away, reported corrupt) leaves a tombstone
+(segment, key, offset, generation) for its daemon; the service delivers tombstones to the daemon
+before it acknowledges the call that made them (see :mod:`kvstore.meta.service`), so a restarted
+service, rebuilding from inventories, never sees a removed or evicted block again, and a late
+tombstone can never clear a newer block that reuses the extent (another generation). Pending
+replicas need none: a block becomes part of an inventory only when the daemon commits it.
+
 Tiers. A block has one or two replicas: DRAM, SSD, or both (an SSD copy promoted back to DRAM
 keeps its SSD copy, so dropping that DRAM copy later costs nothing). Where a daemon has an SSD
 segment, its DRAM is never simply dropped: a DRAM replica without an SSD copy leaves DRAM only
@@ -36,7 +45,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
-from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvstore.extent import ALIGN, SSD_ALIGN, extent_size
 from kvstore.keys import KEY_BYTES, unpack_keys
 from kvstore.meta.allocator import Allocator
@@ -92,19 +101,32 @@ class InventoryItem(NamedTuple):
     length: int  # payload bytes (uncompressed)
     checksum: int  # xxh3-64 of the payload
     size: int = 0  # extent bytes in the segment; 0 = computed from length
+    gen: int = 0  # the generation in the block's header
+
+
+class Tombstone(NamedTuple):
+    """A committed block a daemon must drop: exactly this generation of ``key`` at ``offset``."""
+
+    segment_id: int
+    key: bytes
+    offset: int
+    gen: int
 
 
 SEGMENT_ALIGN = {Tier.DRAM: ALIGN, Tier.SSD: SSD_ALIGN, Tier.GPU: ALIGN}
 
 
-ROW = struct.Struct("<IIQQQ")  # segment ref | reserved | offset | length | checksum (common.proto)
+ROW = struct.Struct("<IIQQQQ")  # segment ref | reserved | offset | length | checksum | gen (common.proto)
 
 
 class Replica:
-    __slots__ = ("segment", "offset", "size", "length", "checksum", "leases", "entry", "live", "ready", "row")
+    __slots__ = (
+        "segment", "offset", "size", "length", "checksum", "leases", "entry", "live", "ready", "row", "gen", "written",
+    )  # fmt: skip
 
-    def __init__(self, segment: Segment, offset: int, size: int, length: int, entry: Entry) -> None:
+    def __init__(self, segment: Segment, offset: int, size: int, length: int, entry: Entry, gen: int) -> None:
         self.segment = segment
+        self.gen = gen
         self.offset = offset
         self.size = size  # extent bytes in the segment
         self.length = length  # payload bytes
@@ -113,7 +135,10 @@ class Replica:
         self.entry = entry
         self.live = True  # False once dropped from the index (freed when the last lease goes)
         self.ready = False  # bytes written and committed: readable
-        self.row = ROW.pack(segment.ref, 0, offset, length, 0)
+        # The daemon may hold a committed header for it (a commit or move was attempted):
+        # dropping it then needs a tombstone even if it never became ready.
+        self.written = False
+        self.row = ROW.pack(segment.ref, 0, offset, length, 0, gen)
 
     @property
     def tier(self) -> Tier:
@@ -121,7 +146,7 @@ class Replica:
 
     def set_checksum(self, csum: int) -> None:
         self.checksum = csum
-        self.row = ROW.pack(self.segment.ref, 0, self.offset, self.length, csum)
+        self.row = ROW.pack(self.segment.ref, 0, self.offset, self.length, csum, self.gen)
 
     def evictable(self) -> bool:
         return self.live and self.ready and self.leases == 0 and not self.entry.pinned and self.entry.complete
@@ -184,8 +209,6 @@ class Daemon:
     deadline: float
     last_heartbeat: float
     segments: dict[int, Segment] = field(default_factory=dict)
-    # (segment_id, key, offset) of freed extents whose header the daemon must clear.
-    invalidations: list[tuple[int, bytes, int]] = field(default_factory=list)
 
     def tier(self, tier: Tier) -> Segment | None:
         for s in self.segments.values():
@@ -207,6 +230,26 @@ class Lease:
     lease_id: int
     deadline: float
     replicas: list[Replica]
+
+
+@dataclass(slots=True)
+class PendingCommit:
+    """A put between PutCommit's start and the daemons' answer (see :meth:`Index.put_commit_begin`)."""
+
+    put: Put
+    # Per allocated block, in placement order: its replica (None: not to be committed) and
+    # its status so far (a CommitStatus).
+    replicas: list[Replica | None]
+    status: list[int]
+    checksums: list[int]
+
+
+class CommitStatus(IntEnum):  # mirrors kvstore.v1.CommitStatus
+    OK = 0
+    NOT_WRITTEN = 1
+    MISMATCH = 2
+    NO_SPACE = 3
+    UNAVAILABLE = 4
 
 
 @dataclass(slots=True)
@@ -253,8 +296,12 @@ _COUNTERS = (
     "ssd_hit_keys", "puts", "put_keys", "put_bytes", "put_ssd_keys", "dedup_keys", "no_space_keys",
     "evictions", "evicted_bytes", "dropped_clean", "demoted", "demoted_bytes", "promoted",
     "promoted_bytes", "moves_failed", "removed", "expired_puts", "expired_leases", "corrupt_reported",
-    "daemons_lost",
+    "daemons_lost", "commit_failed_keys", "tombstones", "tombstones_dropped",
 )  # fmt: skip
+
+# Tombstones kept for daemons that could not take them yet (unreachable or gone); past this the
+# oldest are dropped (a warning is counted), so a daemon that never returns cannot grow memory.
+MAX_TOMBSTONES = 1 << 20
 
 
 class Index:
@@ -277,7 +324,49 @@ class Index:
         self._lease_ids = itertools.count(base)
         self._move_ids = itertools.count(base)
         self._segment_refs = itertools.count(1)
+        self._last_gen = 0
+        # Tombstones per daemon id, not yet delivered; kept across the daemon's loss and
+        # re-registration (see :meth:`take_tombstones`).
+        self.tombstones: dict[str, list[Tombstone]] = {}
+        self._n_tombstones = 0
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+
+    def _next_gen(self) -> int:
+        """A fresh generation: unique in this index, above every generation it has seen, and
+        (from the wall clock in ns) above those of a service that ran before it."""
+        self._last_gen = max(self._last_gen + 1, time.time_ns())
+        return self._last_gen
+
+    # ---- tombstones -------------------------------------------------------------------------
+
+    def _tombstone(self, rep: Replica) -> None:
+        seg = rep.segment
+        self.tombstones.setdefault(seg.daemon.spec.daemon_id, []).append(
+            Tombstone(seg.spec.segment_id, rep.entry.key, rep.offset, rep.gen)
+        )
+        self._n_tombstones += 1
+        self.counters["tombstones"] += 1
+        if self._n_tombstones > MAX_TOMBSTONES:
+            did = max(self.tombstones, key=lambda d: len(self.tombstones[d]))
+            drop = len(self.tombstones[did]) // 2 or 1
+            del self.tombstones[did][:drop]
+            self._n_tombstones -= drop
+            self.counters["tombstones_dropped"] += drop
+
+    def take_tombstones(self, daemon_ids: Iterable[str] | None = None) -> dict[str, list[Tombstone]]:
+        """Hands over the undelivered tombstones (of the given daemons, default all known
+        daemons). The caller delivers them and gives back what it could not
+        (:meth:`return_tombstones`)."""
+        ids = [d for d in (self.daemons if daemon_ids is None else daemon_ids) if self.tombstones.get(d)]
+        out = {d: self.tombstones.pop(d) for d in ids}
+        self._n_tombstones -= sum(len(v) for v in out.values())
+        return out
+
+    def return_tombstones(self, daemon_id: str, items: list[Tombstone]) -> None:
+        """Tombstones that could not be delivered, kept for the daemon's next heartbeat."""
+        if items:
+            self.tombstones.setdefault(daemon_id, [])[:0] = items
+            self._n_tombstones += len(items)
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -306,8 +395,8 @@ class Index:
 
     # ---- replica bookkeeping ----------------------------------------------------------------
 
-    def _add_replica(self, e: Entry, seg: Segment, offset: int, size: int, length: int) -> Replica:
-        rep = Replica(seg, offset, size, length, e)
+    def _add_replica(self, e: Entry, seg: Segment, offset: int, size: int, length: int, gen: int = 0) -> Replica:
+        rep = Replica(seg, offset, size, length, e, gen or self._next_gen())
         e.replicas.append(rep)
         seg.blocks += 1
         if e.pinned:
@@ -323,11 +412,13 @@ class Index:
     def _drop_replica(self, rep: Replica, free: bool = True) -> None:
         """Removes a replica from the index. Its extent is freed now, or when its last lease
         ends; ``free=False`` (daemon lost) forgets the space along with the daemon. An entry
-        left with no ready replica leaves the index."""
+        left with no ready replica leaves the index. A freed replica that the daemon may hold
+        committed leaves a tombstone for it."""
         if not rep.live:
             return
         e = rep.entry
         seg = rep.segment
+        committed = rep.ready or rep.written
         rep.live = False
         rep.ready = False
         seg.lru.pop(e.key, None)
@@ -337,7 +428,8 @@ class Index:
         if rep in e.replicas:
             e.replicas.remove(rep)
         if free:
-            seg.daemon.invalidations.append((seg.spec.segment_id, e.key, rep.offset))
+            if committed:
+                self._tombstone(rep)
             if rep.leases == 0:
                 seg.alloc.release(rep.offset, rep.size)
         if e.complete and not any(r.ready for r in e.replicas):
@@ -367,6 +459,8 @@ class Index:
         for s in spec.segments:
             if s.capacity <= 0:
                 raise InvalidArgument(f"segment {s.segment_id}: capacity must be positive, got {s.capacity}")
+            if s.tier not in (Tier.DRAM, Tier.SSD):
+                raise InvalidArgument(f"segment {s.segment_id}: tier {int(s.tier)} cannot hold blocks (DRAM=1, SSD=2)")
         for seg_id in inventory:
             if seg_id not in seg_ids:
                 raise InvalidArgument(f"inventory names unknown segment {seg_id}")
@@ -375,6 +469,9 @@ class Index:
         now = self.clock.now()
         daemon = Daemon(spec, now + self.limits.daemon_ttl_s, now)
         rejected = 0
+        # Blocks dropped while the daemon could not be told stay dropped (their tombstones
+        # are still pending, and go out with its next heartbeat).
+        dead = {(t.segment_id, t.key, t.offset, t.gen) for t in self.tombstones.get(spec.daemon_id, ())}
         # DRAM first, so that an entry's DRAM replica is its first.
         for sspec in sorted(spec.segments, key=lambda s: int(s.tier)):
             align = SEGMENT_ALIGN[sspec.tier]
@@ -386,6 +483,7 @@ class Index:
             seg = Segment(daemon, sspec, next(self._segment_refs), alloc)
             daemon.segments[sspec.segment_id] = seg
             for it, size, ok in zip(items, sizes, accepted):  # oldest first: LRU order
+                self._last_gen = max(self._last_gen, it.gen)
                 e = self.entries.get(it.key)
                 clash = e is not None and (
                     not e.complete
@@ -393,7 +491,8 @@ class Index:
                     or any(r.segment.daemon is not daemon for r in e.replicas)
                     or e.replica.length != it.length  # type: ignore[union-attr]
                 )
-                if not ok or len(it.key) != KEY_BYTES or clash:
+                tomb = (sspec.segment_id, it.key, it.offset, it.gen) in dead
+                if not ok or len(it.key) != KEY_BYTES or clash or tomb or not it.gen:
                     if ok:
                         alloc.release(it.offset, size)
                     rejected += 1
@@ -401,22 +500,21 @@ class Index:
                 if e is None:
                     e = Entry(it.key, 0)
                     self.entries[it.key] = e
-                rep = self._add_replica(e, seg, it.offset, size, it.length)
+                rep = self._add_replica(e, seg, it.offset, size, it.length, it.gen)
                 e.complete = True
                 self._make_ready(rep, it.checksum)
         self.daemons[spec.daemon_id] = daemon
         return rejected
 
-    def heartbeat(self, daemon_id: str) -> tuple[bool, list[tuple[int, bytes, int]]]:
-        """Extends a daemon's liveness. Returns (known, invalidations to apply)."""
+    def heartbeat(self, daemon_id: str) -> bool:
+        """Extends a daemon's liveness. False if the daemon is unknown (it must register)."""
         d = self.daemons.get(daemon_id)
         if d is None:
-            return False, []
+            return False
         now = self.clock.now()
         d.last_heartbeat = now
         d.deadline = now + self.limits.daemon_ttl_s
-        inv, d.invalidations = d.invalidations, []
-        return True, inv
+        return True
 
     def _drop_daemon(self, daemon_id: str) -> None:
         d = self.daemons.pop(daemon_id)
@@ -454,7 +552,10 @@ class Index:
         excluded = set(exclude)
         segments = self._placement_order(host_id, excluded)
         if not segments:
-            raise ResourceExhausted("no live daemon with a segment to place blocks on")
+            # Retryable: right after a service restart daemons have not re-registered yet, or
+            # the writer excluded the only daemons it could not reach.
+            why = f" (excluded: {', '.join(sorted(excluded))})" if excluded else ""
+            raise Unavailable(f"no live daemon with a segment to place blocks on{why}")
         for i, s in enumerate(sizes):
             if not any(extent_size(s, seg.align) <= seg.alloc.capacity for seg in segments):
                 biggest = max(seg.alloc.capacity for seg in segments)
@@ -565,7 +666,11 @@ class Index:
             self.counters["evicted_bytes"] += rep.length
         self._drop_replica(rep)
 
-    def put_commit(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> int:
+    def put_commit_begin(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> PendingCommit:
+        """First half of a commit: validates, takes the put out of the reservation table (its
+        deadline no longer applies) and releases the blocks the writer did not write. The
+        caller has the daemons commit the rest (:class:`PendingCommit` lists them), then calls
+        :meth:`put_commit_end`. Nothing becomes visible before that."""
         put = self.puts.get(put_id)
         if put is not None and put.deadline < self.clock.now():
             self.put_abort(put_id)
@@ -582,23 +687,60 @@ class Index:
                 f"written: {len(written)} flags for {len(put.entries)} allocated blocks of put {put_id}"
             )
         del self.puts[put_id]
-        committed = 0
-        for i, (e, csum) in enumerate(zip(put.entries, checksums)):
-            if not e.replicas:  # its daemon was lost meanwhile
+        reps: list[Replica | None] = []
+        status: list[int] = []
+        for i, e in enumerate(put.entries):
+            rep = e.replicas[0] if e.replicas else None  # none: its daemon was lost meanwhile
+            if rep is not None and written is not None and not written[i]:
+                self._drop_replica(rep)
+                reps.append(None)
+                status.append(CommitStatus.NOT_WRITTEN)
                 continue
-            rep = e.replicas[0]
-            if written is not None and not written[i]:
+            if rep is not None:
+                rep.written = True  # from here on the daemon may hold it committed
+            reps.append(rep)
+            status.append(CommitStatus.OK if rep is not None else CommitStatus.UNAVAILABLE)
+        return PendingCommit(put, reps, status, list(checksums))
+
+    def put_commit_end(
+        self, pc: PendingCommit, outcome: dict[int, tuple[int, int]] | None = None
+    ) -> tuple[int, list[int]]:
+        """Second half: ``outcome`` maps a block's placement index to (CommitStatus, stored
+        extent bytes or 0) as its daemon answered; a block without an outcome counts as
+        committed (``None``: all, for callers without daemons). Committed blocks become visible;
+        the others are released. Returns (committed count, status per allocated block)."""
+        committed = 0
+        status = list(pc.status)
+        for i, rep in enumerate(pc.replicas):
+            if rep is None:
+                continue
+            st, stored = (outcome or {}).get(i, (CommitStatus.OK, 0))
+            if not rep.live:  # its daemon was lost while it committed
+                status[i] = CommitStatus.UNAVAILABLE
+                continue
+            if st != CommitStatus.OK:
+                status[i] = st
+                self.counters["commit_failed_keys"] += 1
                 self._drop_replica(rep)
                 continue
+            e = rep.entry
+            if 0 < stored < rep.size and stored % rep.segment.align == 0:
+                rep.segment.alloc.release(rep.offset + stored, rep.size - stored)
+                rep.size = stored
             e.complete = True
-            self._make_ready(rep, csum)
+            self._make_ready(rep, pc.checksums[i])
             committed += 1
             self.counters["put_keys"] += 1
             self.counters["put_bytes"] += rep.length
             if rep.tier == Tier.SSD:
                 self.counters["put_ssd_keys"] += 1
-        self._touch_chain(put.keys)
-        return committed
+        self._touch_chain(pc.put.keys)
+        return committed, status
+
+    def put_commit(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> int:
+        """Both halves at once, for callers whose daemons commit on their own (unit tests, the
+        policy benchmark). Returns how many blocks became visible."""
+        return self.put_commit_end(self.put_commit_begin(put_id, checksums, written))[0]
 
     def put_abort(self, put_id: int) -> int:
         put = self.puts.pop(put_id, None)
@@ -781,6 +923,7 @@ class Index:
             src.segment.lru.pop(e.key, None)
         src.leases += 1
         dst = self._add_replica(e, seg, offset, extent_size(src.length, seg.align), src.length)
+        dst.written = True  # the daemon writes it as soon as it gets the move
         e.moving = True
         mv = Move(next(self._move_ids), src, dst, demote)
         self.moves[mv.move_id] = mv

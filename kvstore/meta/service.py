@@ -1,23 +1,26 @@
 """The metadata service: a thin grpc.aio adapter over :class:`kvstore.meta.index.Index`.
 
-Each handler decodes the packed columns, calls the index, encodes the answer. A
-:class:`~kvstore.errors.KVStoreError` raised anywhere becomes its gRPC status in one place
-(:func:`_handler`). A background task expires daemons, put reservations and leases.
+Each handler decodes the packed columns, calls the index, carries its decisions to the daemons
+(:class:`~kvstore.meta.daemons.DaemonLink`: commits before a put is visible, tombstones before
+a removal or an eviction is acknowledged) and encodes the answer. Statuses are chosen by cause
+in one place for every server (:mod:`kvstore.rpc`). A background task expires daemons, put
+reservations and leases; another plans tier moves.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import math
 import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.config import MetaConfig
-from kvstore.errors import KVStoreError, PermissionDenied
-from kvstore.keys import unpack_keys
+from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
+from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.meta.daemons import DaemonLink, invalidations_pb
 from kvstore.meta.index import (
     Clock,
     DaemonSpec,
@@ -27,7 +30,8 @@ from kvstore.meta.index import (
     SegmentSpec,
     Tier,
 )
-from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc, meta_pb2, meta_pb2_grpc
+from kvstore.rpc import add_service
+from kvstore.v1 import common_pb2, meta_pb2
 from kvstore.wire import U8, U32, U64, daemon_to_pb, locations_to_pb, pack, unpack
 
 log = logging.getLogger("kvstore.meta")
@@ -38,27 +42,28 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 
-
-def _handler(fn):
-    @functools.wraps(fn)
-    async def wrapper(self, request, context):
-        try:
-            return fn(self, request, context)
-        except KVStoreError as e:
-            log.info("rpc=%s error=%s reason=%r", fn.__name__, type(e).__name__, e.message)
-            await context.abort(e.code, e.message)
-
-    return wrapper
+_TIERS = {int(t) for t in Tier}
 
 
-class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
-    def __init__(self, index: Index, allow_clock_skew: bool = False) -> None:
+def _flags(data: bytes, what: str, count: int | None = None) -> list[bool]:
+    vals = unpack(data, U8, what, count)
+    bad = next((v for v in vals if v > 1), None)
+    if bad is not None:
+        raise InvalidArgument(f"{what}: flags must be 0 or 1, got {bad}")
+    return [bool(v) for v in vals]
+
+
+class MetaServicer:
+    def __init__(self, index: Index, link: DaemonLink, allow_clock_skew: bool = False) -> None:
         self.index = index
+        self.link = link
         self.allow_clock_skew = allow_clock_skew
 
-    @_handler
     def RegisterDaemon(self, request, context):
         info = request.daemon
+        for s in info.segments:
+            if s.tier not in _TIERS and s.tier != 0:
+                raise InvalidArgument(f"segment {s.segment_id}: unknown tier {s.tier} (DRAM=1, SSD=2)")
         spec = DaemonSpec(
             info.daemon_id,
             info.host_id,
@@ -76,11 +81,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             offs = unpack(inv.offset, U64, "inventory offset", n)
             lens = unpack(inv.length, U64, "inventory length", n)
             sums = unpack(inv.checksum, U64, "inventory checksum", n)
-            seqs = unpack(inv.seq, U64, "inventory seq", n) if inv.seq else list(range(n))
+            gens = unpack(inv.gen, U64, "inventory gen", n)
             sizes = unpack(inv.size, U64, "inventory size", n) if inv.size else [0] * n
-            items = sorted(zip(seqs, keys, offs, lens, sums, sizes))
+            items = sorted(zip(gens, keys, offs, lens, sums, sizes))
             inventory.setdefault(inv.segment_id, []).extend(
-                InventoryItem(k, o, ln, c, sz) for _, k, o, ln, c, sz in items
+                InventoryItem(k, o, ln, c, sz, g) for g, k, o, ln, c, sz in items
             )
         rejected = self.index.register_daemon(spec, inventory)
         adopted = sum(len(v) for v in inventory.values()) - rejected
@@ -92,26 +97,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             rejected=rejected,
         )
 
-    @_handler
     def Heartbeat(self, request, context):
-        known, inv = self.index.heartbeat(request.daemon_id)
-        by_seg: dict[int, tuple[list[bytes], list[int]]] = {}
-        for seg, key, off in inv:
-            ks, offs = by_seg.setdefault(seg, ([], []))
-            ks.append(key)
-            offs.append(off)
-        return meta_pb2.HeartbeatResponse(
-            known=known,
-            invalidations=[
-                meta_pb2.Invalidation(segment_id=s, keys=b"".join(ks), offset=pack(offs, U64))
-                for s, (ks, offs) in by_seg.items()
-            ],
-        )
+        known = self.index.heartbeat(request.daemon_id)
+        if not known:
+            return meta_pb2.HeartbeatResponse(known=False)
+        batch, items = self.link.heartbeat_batch(request.daemon_id, request.acked_batch)
+        return meta_pb2.HeartbeatResponse(known=True, invalidations=invalidations_pb(items), batch=batch)
 
-    @_handler
-    def PutStart(self, request, context):
-        n = len(request.keys) // 16
-        sizes = unpack(request.sizes, U64, "sizes", n if len(request.keys) % 16 == 0 else None)
+    async def PutStart(self, request, context):
+        n = len(request.keys) // KEY_BYTES
+        sizes = unpack(request.sizes, U64, "sizes", n if len(request.keys) % KEY_BYTES == 0 else None)
         res = self.index.put_start(
             request.keys,
             sizes,
@@ -119,6 +114,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             timeout_s=request.timeout_ms / 1000.0,
             exclude=request.exclude_daemons,
         )
+        # Space freed by eviction is handed out only once its old blocks are gone on their
+        # daemons: a restarted service must not find an evicted block again.
+        await self.link.flush()
         return meta_pb2.PutStartResponse(
             put_id=res.put_id,
             status=pack(res.status, U8),
@@ -126,17 +124,20 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             deadline_unix_ms=int((time.time() + res.deadline) * 1000),
         )
 
-    @_handler
-    def PutCommit(self, request, context):
+    async def PutCommit(self, request, context):
         sums = unpack(request.checksums, U64, "checksums")
-        written = [bool(x) for x in unpack(request.written, U8, "written")] if request.written else None
-        return meta_pb2.PutCommitResponse(committed=self.index.put_commit(request.put_id, sums, written))
+        written = _flags(request.written, "written") if request.written else None
+        pc = self.index.put_commit_begin(request.put_id, sums, written)
+        outcome = await self.link.commit(pc)
+        committed, status = self.index.put_commit_end(pc, outcome)
+        await self.link.flush()
+        return meta_pb2.PutCommitResponse(committed=committed, status=pack(status, U8))
 
-    @_handler
-    def PutAbort(self, request, context):
-        return meta_pb2.PutAbortResponse(released=self.index.put_abort(request.put_id))
+    async def PutAbort(self, request, context):
+        released = self.index.put_abort(request.put_id)
+        await self.link.flush()
+        return meta_pb2.PutAbortResponse(released=released)
 
-    @_handler
     def Lookup(self, request, context):
         hit, exists, locs = self.index.lookup(
             request.keys, per_key=request.per_key, with_locations=request.with_locations
@@ -147,7 +148,6 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             locations=locations_to_pb(locs) if request.with_locations else None,
         )
 
-    @_handler
     def Acquire(self, request, context):
         res = self.index.acquire(request.keys, ttl_s=request.ttl_ms / 1000.0)
         return meta_pb2.AcquireResponse(
@@ -157,24 +157,30 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             ttl_ms=int(res.ttl * 1000),
         )
 
-    @_handler
-    def Release(self, request, context):
+    async def Release(self, request, context):
         self.index.release(request.lease_id, unpack(request.corrupt, U32, "corrupt"))
+        await self.link.flush()
         return meta_pb2.ReleaseResponse(released=True)
 
-    @_handler
-    def Remove(self, request, context):
-        return meta_pb2.CountResponse(count=self.index.remove(request.keys))
+    async def Remove(self, request, context):
+        before = {d: len(v) for d, v in self.index.tombstones.items()}
+        n = self.index.remove(request.keys)
+        touched = {d for d, v in self.index.tombstones.items() if len(v) > before.get(d, 0)}
+        failed = await self.link.flush() & touched
+        if failed:
+            raise Unavailable(
+                f"{n} blocks left the index, but daemon(s) {', '.join(sorted(failed))} did not confirm dropping "
+                "them; they are told again with every heartbeat (until then a restart of this service could "
+                "bring them back)"
+            )
+        return meta_pb2.CountResponse(count=n)
 
-    @_handler
     def Pin(self, request, context):
         return meta_pb2.CountResponse(count=self.index.pin(request.keys, True))
 
-    @_handler
     def Unpin(self, request, context):
         return meta_pb2.CountResponse(count=self.index.pin(request.keys, False))
 
-    @_handler
     def Stats(self, request, context):
         idx = self.index
         now = idx.clock.now()
@@ -206,12 +212,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             resp.counters[k] = v
         return resp
 
-    @_handler
-    def AdvanceClock(self, request, context):
+    async def AdvanceClock(self, request, context):
         if not self.allow_clock_skew:
             raise PermissionDenied("AdvanceClock is off: start the service with meta.allow_clock_skew=true")
+        if not math.isfinite(request.seconds) or request.seconds < 0:
+            raise InvalidArgument(f"seconds must be a finite, non-negative number, got {request.seconds}")
         now = self.index.clock.advance(request.seconds)
         self.index.expire()
+        await self.link.flush()
         return meta_pb2.AdvanceClockResponse(now=now)
 
 
@@ -231,17 +239,19 @@ class MetaServer:
             dram_low_watermark=cfg.dram_low_watermark,
         )
         self.index = Index(limits, clock or Clock())
+        self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s)
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._sweeper: asyncio.Task | None = None
         self._tierer: asyncio.Task | None = None
-        self._move_failing: set[str] = set()
-        self._daemon_stubs: dict[str, tuple[str, grpc.aio.Channel, daemon_pb2_grpc.DaemonControlStub]] = {}
+        # Held by each round of the background loops, so that a stop lets the round in
+        # progress deliver its tombstones instead of cutting it off mid-way.
+        self._round = asyncio.Lock()
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
-        meta_pb2_grpc.add_MetaServiceServicer_to_server(
-            MetaServicer(self.index, self.cfg.allow_clock_skew), self.server
+        add_service(
+            self.server, meta_pb2, "MetaService", MetaServicer(self.index, self.link, self.cfg.allow_clock_skew)
         )
         hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self.server)
@@ -261,73 +271,45 @@ class MetaServer:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.sweep_interval_s)
-            out = self.index.expire()
-            if any(out.values()):
-                log.info("event=expired daemons=%d puts=%d leases=%d", out["daemons"], out["puts"], out["leases"])
-
-    def _daemon_stub(self, daemon_id: str, addr: str) -> daemon_pb2_grpc.DaemonControlStub:
-        cached = self._daemon_stubs.get(daemon_id)
-        if cached is None or cached[0] != addr:
-            ch = grpc.aio.insecure_channel(addr, options=GRPC_OPTIONS)
-            cached = self._daemon_stubs[daemon_id] = (addr, ch, daemon_pb2_grpc.DaemonControlStub(ch))
-        return cached[2]
+            try:
+                async with self._round:
+                    out = self.index.expire()
+                    if any(out.values()):
+                        log.info(
+                            "event=expired daemons=%d puts=%d leases=%d", out["daemons"], out["puts"], out["leases"]
+                        )
+                    await self.link.flush()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+                log.exception("event=sweep_error")
 
     async def _tier_loop(self) -> None:
         """Plans demotions and promotions and has each daemon carry out its own."""
         while True:
             await asyncio.sleep(self.cfg.tier_interval_s)
             try:
-                plans = self.index.plan_moves(self.cfg.move_batch_bytes)
-                if plans:
-                    await asyncio.gather(*(self._run_moves(did, moves) for did, moves in plans.items()))
+                async with self._round:
+                    plans = self.index.plan_moves(self.cfg.move_batch_bytes)
+                    await self.link.flush()  # SSD space freed for the moves
+                    if plans:
+                        await self.link.run_moves(plans)
+                        await self.link.flush()  # demoted DRAM copies
             except Exception:  # noqa: BLE001 - the loop must outlive any one failure
                 log.exception("event=tier_loop_error")
 
-    async def _run_moves(self, daemon_id: str, moves: list) -> None:
-        d = self.index.daemons.get(daemon_id)
-        if d is None:
-            for mv in moves:
-                self.index.finish_move(mv.move_id, False)
-            return
-        req = daemon_pb2.MoveRequest(
-            keys=b"".join(mv.src.entry.key for mv in moves),
-            src_segment=pack([mv.src.segment.spec.segment_id for mv in moves], U32),
-            src_offset=pack([mv.src.offset for mv in moves], U64),
-            dst_segment=pack([mv.dst.segment.spec.segment_id for mv in moves], U32),
-            dst_offset=pack([mv.dst.offset for mv in moves], U64),
-            length=pack([mv.src.length for mv in moves], U64),
-            checksum=pack([mv.src.checksum for mv in moves], U64),
-        )
-        try:
-            resp = await self._daemon_stub(daemon_id, d.spec.control_addr).Move(req, timeout=120)
-            ok = unpack(resp.ok, U8, "ok", len(moves))
-            stored = unpack(resp.stored_size, U64, "stored_size", len(moves))
-        except (grpc.aio.AioRpcError, KVStoreError) as e:
-            # Once per outage: the tier loop retries every tick until the daemon's lease lapses.
-            level = logging.DEBUG if daemon_id in self._move_failing else logging.WARNING
-            self._move_failing.add(daemon_id)
-            reason = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            log.log(level, "event=moves_failed daemon=%s count=%d reason=%s", daemon_id, len(moves), reason)
-            ok, stored = [0] * len(moves), [0] * len(moves)
-        else:
-            self._move_failing.discard(daemon_id)
-        for mv, good, size in zip(moves, ok, stored):
-            self.index.finish_move(mv.move_id, bool(good), size)
-        log.debug("event=moves daemon=%s count=%d ok=%d", daemon_id, len(moves), sum(ok))
-
     async def stop(self, grace: float = 0.5) -> None:
-        if self._tierer:
-            self._tierer.cancel()
-        for _addr, ch, _stub in self._daemon_stubs.values():
-            await ch.close()
-        if self._sweeper:
-            self._sweeper.cancel()
+        """Stops serving: the background round in progress finishes first (its tombstones
+        reach the daemons), then the loops end and the server stops."""
+        async with self._round:
+            for task in (self._tierer, self._sweeper):
+                if task:
+                    task.cancel()
         if self.server:
             await self.server.stop(grace)
+        await self.link.close()
 
     async def wait(self) -> None:
         assert self.server is not None
         await self.server.wait_for_termination()
 
 
-__all__ = ["MetaServer", "MetaServicer", "common_pb2"]
+__all__ = ["MetaServer", "MetaServicer", "common_pb2", "grpc"]

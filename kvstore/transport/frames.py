@@ -3,7 +3,7 @@
 A request is a head, ``count`` entries, then (WRITE only) the payloads in entry order::
 
     head  = magic "KVD1" | version u8 | op u8 | flags u16 | request_id u64 | count u32     (20 B)
-    entry = key 16s | segment_id u32 | reserved u32 | offset u64 | length u64 | checksum u64 (48 B)
+    entry = key 16s | segment_id u32 | reserved u32 | offset u64 | length u64 | checksum u64 | gen u64 (56 B)
 
 A WRITE response is a head, a message (non-empty only on a frame error), then one status byte
 per entry. A READ response is a head, a message, then per entry in order its status byte,
@@ -13,7 +13,9 @@ followed by its payload when the status is OK (so the daemon can stream from SSD
 
 A frame error (bad magic, version, op, count, range) is answered with its message and the
 connection is closed: nothing of that request was applied. ``offset`` is the extent's start
-(its header); payload bytes live at ``offset + 64``.
+(its header); payload bytes live at ``offset + 64``. ``gen`` is the placement's generation: a
+READ is served only if the extent holds that generation of the key; a WRITE lands as a pending
+block of that generation, which only the metadata service's commit makes a stored one.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import struct
 from enum import IntEnum
 
 MAGIC = b"KVD1"
-VERSION = 1
+VERSION = 2
 REQ_HEAD = struct.Struct("<4sBBHQI")
-ENTRY = struct.Struct("<16sIIQQQ")
+ENTRY = struct.Struct("<16sIIQQQQ")
 RESP_HEAD = struct.Struct("<4sBBHQII")
 MAX_ENTRIES = 65536
 MAX_MESSAGE = 4096

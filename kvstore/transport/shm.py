@@ -1,7 +1,8 @@
 """Same-host transport: the client maps the daemon's shared-memory segment and copies.
 
 Reads copy then verify the checksum on the copy (the only bytes that matter are the ones the
-caller got); writes clear the header, copy the payload, then write the header.
+caller got); writes clear the header and copy the payload. The header is the daemon's to write,
+sealed, when the metadata service commits the put (a writer cannot make bytes look committed).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 import numpy as np
 
 from kvstore.daemon.arena import ShmArena
-from kvstore.extent import HEADER_SIZE, checksum, pack_header
+from kvstore.extent import HEADER_SIZE, checksum
 
 
 class ShmTransport:
@@ -42,11 +43,14 @@ class ShmTransport:
         return checksum(dest) == csum
 
     @staticmethod
-    def write(arena: ShmArena, offset: int, key: bytes, src: np.ndarray, csum: int) -> None:
+    def write(arena: ShmArena, offset: int, src: np.ndarray) -> bool:
+        """Copies one payload into its reserved extent. False if the extent does not fit."""
         start = offset + HEADER_SIZE
+        if offset < 0 or start + src.size > arena.size:
+            return False
         arena.clear_header(offset)
         np.copyto(arena.array[start : start + src.size], src)
-        arena.view[offset:start] = pack_header(key, src.size, csum)
+        return True
 
     def close(self) -> None:
         for a in self._arenas.values():

@@ -88,17 +88,17 @@ class TcpTransport:
             raise
 
     def read(self, addr: str, items: Sequence[tuple], dests: Sequence[np.ndarray]) -> list[bool]:
-        """Reads ``items`` (key, segment_id, offset, length, checksum) into ``dests``.
+        """Reads ``items`` (key, segment_id, offset, length, checksum, gen) into ``dests``.
 
         Returns per item whether its bytes arrived and match the checksum. Raises Unavailable
         if the daemon cannot be reached (the caller turns that into misses).
         """
-        entries = [ENTRY.pack(k, seg, 0, off, n, c) for (k, seg, off, n, c) in items]
+        entries = [ENTRY.pack(k, seg, 0, off, n, c, g) for (k, seg, off, n, c, g) in items]
         s, _ = self._request(addr, Op.READ, entries)
         ok: list[bool] = []
         status = bytearray(1)
         try:
-            for (_k, _s, _o, _n, c), dest in zip(items, dests):
+            for (_k, _s, _o, _n, c, _g), dest in zip(items, dests):
                 if not recv_exact(s, memoryview(status)):
                     raise ConnectionError("data port closed mid-response")
                 if status[0] != EntryStatus.OK:
@@ -113,8 +113,9 @@ class TcpTransport:
         return ok
 
     def write(self, addr: str, items: Sequence[tuple], srcs: Sequence[np.ndarray]) -> list[bool]:
-        """Writes payloads to their extents; per item whether the daemon stored it whole."""
-        entries = [ENTRY.pack(k, seg, 0, off, n, c) for (k, seg, off, n, c) in items]
+        """Writes payloads to their extents (pending until the put is committed); per item
+        whether the daemon received it whole."""
+        entries = [ENTRY.pack(k, seg, 0, off, n, c, g) for (k, seg, off, n, c, g) in items]
         s, statuses = self._request(addr, Op.WRITE, entries, srcs)
         self._give_back(addr, s)
         return [st == EntryStatus.OK for st in statuses]

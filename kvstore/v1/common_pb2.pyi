@@ -13,10 +13,23 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DRAM: _ClassVar[Tier]
     TIER_SSD: _ClassVar[Tier]
     TIER_GPU: _ClassVar[Tier]
+
+class CommitStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMMIT_OK: _ClassVar[CommitStatus]
+    COMMIT_NOT_WRITTEN: _ClassVar[CommitStatus]
+    COMMIT_MISMATCH: _ClassVar[CommitStatus]
+    COMMIT_NO_SPACE: _ClassVar[CommitStatus]
+    COMMIT_UNAVAILABLE: _ClassVar[CommitStatus]
 TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
 TIER_SSD: Tier
 TIER_GPU: Tier
+COMMIT_OK: CommitStatus
+COMMIT_NOT_WRITTEN: CommitStatus
+COMMIT_MISMATCH: CommitStatus
+COMMIT_NO_SPACE: CommitStatus
+COMMIT_UNAVAILABLE: CommitStatus
 
 class Segment(_message.Message):
     __slots__ = ("segment_id", "tier", "capacity_bytes", "shm_path")
@@ -65,19 +78,31 @@ class Locations(_message.Message):
     def __init__(self, rows: _Optional[bytes] = ..., segments: _Optional[_Iterable[_Union[SegmentRef, _Mapping]]] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("segment_id", "keys", "offset", "length", "checksum", "seq", "size")
+    __slots__ = ("segment_id", "keys", "offset", "length", "checksum", "gen", "size")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    SEQ_FIELD_NUMBER: _ClassVar[int]
+    GEN_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     keys: bytes
     offset: bytes
     length: bytes
     checksum: bytes
-    seq: bytes
+    gen: bytes
     size: bytes
-    def __init__(self, segment_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., size: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, segment_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., gen: _Optional[bytes] = ..., size: _Optional[bytes] = ...) -> None: ...
+
+class Invalidation(_message.Message):
+    __slots__ = ("segment_id", "keys", "offset", "gen")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GEN_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    keys: bytes
+    offset: bytes
+    gen: bytes
+    def __init__(self, segment_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., gen: _Optional[bytes] = ...) -> None: ...

@@ -7,8 +7,44 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CommitRequest(_message.Message):
+    __slots__ = ("keys", "segment", "offset", "length", "checksum", "gen")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    GEN_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    segment: bytes
+    offset: bytes
+    length: bytes
+    checksum: bytes
+    gen: bytes
+    def __init__(self, keys: _Optional[bytes] = ..., segment: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., gen: _Optional[bytes] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("status", "stored_size")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STORED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    status: bytes
+    stored_size: bytes
+    def __init__(self, status: _Optional[bytes] = ..., stored_size: _Optional[bytes] = ...) -> None: ...
+
+class InvalidateRequest(_message.Message):
+    __slots__ = ("invalidations",)
+    INVALIDATIONS_FIELD_NUMBER: _ClassVar[int]
+    invalidations: _containers.RepeatedCompositeFieldContainer[_common_pb2.Invalidation]
+    def __init__(self, invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ...) -> None: ...
+
+class InvalidateResponse(_message.Message):
+    __slots__ = ("cleared",)
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    cleared: int
+    def __init__(self, cleared: _Optional[int] = ...) -> None: ...
+
 class MoveRequest(_message.Message):
-    __slots__ = ("keys", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum")
+    __slots__ = ("keys", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum", "src_gen", "dst_gen")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SRC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +52,8 @@ class MoveRequest(_message.Message):
     DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SRC_GEN_FIELD_NUMBER: _ClassVar[int]
+    DST_GEN_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     src_segment: bytes
     src_offset: bytes
@@ -23,7 +61,9 @@ class MoveRequest(_message.Message):
     dst_offset: bytes
     length: bytes
     checksum: bytes
-    def __init__(self, keys: _Optional[bytes] = ..., src_segment: _Optional[bytes] = ..., src_offset: _Optional[bytes] = ..., dst_segment: _Optional[bytes] = ..., dst_offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+    src_gen: bytes
+    dst_gen: bytes
+    def __init__(self, keys: _Optional[bytes] = ..., src_segment: _Optional[bytes] = ..., src_offset: _Optional[bytes] = ..., dst_segment: _Optional[bytes] = ..., dst_offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., src_gen: _Optional[bytes] = ..., dst_gen: _Optional[bytes] = ...) -> None: ...
 
 class MoveResponse(_message.Message):
     __slots__ = ("ok", "stored_size")

@@ -50,6 +50,16 @@ class DaemonControlStub:
                 request_serializer=kvstore_dot_v1_dot_daemon__pb2.MoveRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_daemon__pb2.MoveResponse.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvstore.v1.DaemonControl/Commit',
+                request_serializer=kvstore_dot_v1_dot_daemon__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_daemon__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Invalidate = channel.unary_unary(
+                '/kvstore.v1.DaemonControl/Invalidate',
+                request_serializer=kvstore_dot_v1_dot_daemon__pb2.InvalidateRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_daemon__pb2.InvalidateResponse.FromString,
+                _registered_method=True)
 
 
 class DaemonControlServicer:
@@ -76,6 +86,23 @@ class DaemonControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """Commits written blocks (called by the metadata service inside PutCommit, before it makes
+        them visible): the daemon writes each block's sealed header (DRAM) or journal record
+        (SSD). Only committed blocks are ever in an inventory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Invalidate(self, request, context):
+        """Drops committed blocks (called by the metadata service before it acknowledges a Remove
+        or hands out space freed by eviction).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +120,16 @@ def add_DaemonControlServicer_to_server(servicer, server):
                     servicer.Move,
                     request_deserializer=kvstore_dot_v1_dot_daemon__pb2.MoveRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_daemon__pb2.MoveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvstore_dot_v1_dot_daemon__pb2.CommitRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_daemon__pb2.CommitResponse.SerializeToString,
+            ),
+            'Invalidate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Invalidate,
+                    request_deserializer=kvstore_dot_v1_dot_daemon__pb2.InvalidateRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_daemon__pb2.InvalidateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +213,60 @@ class DaemonControl:
             '/kvstore.v1.DaemonControl/Move',
             kvstore_dot_v1_dot_daemon__pb2.MoveRequest.SerializeToString,
             kvstore_dot_v1_dot_daemon__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.DaemonControl/Commit',
+            kvstore_dot_v1_dot_daemon__pb2.CommitRequest.SerializeToString,
+            kvstore_dot_v1_dot_daemon__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Invalidate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.DaemonControl/Invalidate',
+            kvstore_dot_v1_dot_daemon__pb2.InvalidateRequest.SerializeToString,
+            kvstore_dot_v1_dot_daemon__pb2.InvalidateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,28 +38,22 @@ class RegisterDaemonResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("daemon_id",)
+    __slots__ = ("daemon_id", "acked_batch")
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_BATCH_FIELD_NUMBER: _ClassVar[int]
     daemon_id: str
-    def __init__(self, daemon_id: _Optional[str] = ...) -> None: ...
-
-class Invalidation(_message.Message):
-    __slots__ = ("segment_id", "keys", "offset")
-    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    segment_id: int
-    keys: bytes
-    offset: bytes
-    def __init__(self, segment_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., offset: _Optional[bytes] = ...) -> None: ...
+    acked_batch: int
+    def __init__(self, daemon_id: _Optional[str] = ..., acked_batch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "invalidations")
+    __slots__ = ("known", "invalidations", "batch")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     INVALIDATIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    invalidations: _containers.RepeatedCompositeFieldContainer[Invalidation]
-    def __init__(self, known: _Optional[bool] = ..., invalidations: _Optional[_Iterable[_Union[Invalidation, _Mapping]]] = ...) -> None: ...
+    invalidations: _containers.RepeatedCompositeFieldContainer[_common_pb2.Invalidation]
+    batch: int
+    def __init__(self, known: _Optional[bool] = ..., invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ..., batch: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("keys", "sizes", "chain", "host_id", "timeout_ms", "exclude_daemons")
@@ -100,10 +94,12 @@ class PutCommitRequest(_message.Message):
     def __init__(self, put_id: _Optional[int] = ..., checksums: _Optional[bytes] = ..., written: _Optional[bytes] = ...) -> None: ...
 
 class PutCommitResponse(_message.Message):
-    __slots__ = ("committed",)
+    __slots__ = ("committed", "status")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     committed: int
-    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+    status: bytes
+    def __init__(self, committed: _Optional[int] = ..., status: _Optional[bytes] = ...) -> None: ...
 
 class PutAbortRequest(_message.Message):
     __slots__ = ("put_id",)

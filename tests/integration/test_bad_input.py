@@ -10,7 +10,7 @@ import pytest
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
 from kvstore.errors import InvalidArgument, NotFound, from_rpc_error
-from kvstore.transport.frames import ENTRY, MAGIC, REQ_HEAD, RESP_HEAD, FrameStatus, Op
+from kvstore.transport.frames import ENTRY, MAGIC, REQ_HEAD, RESP_HEAD, VERSION, FrameStatus, Op
 from kvstore.v1 import meta_pb2, meta_pb2_grpc
 from kvstore.wire import U64, pack
 
@@ -135,12 +135,21 @@ def _frame_error(addr: tuple[str, int], payload: bytes) -> str:
     [
         (b"HTTP" + bytes(16), "bad magic"),
         (REQ_HEAD.pack(MAGIC, 9, Op.READ, 0, 1, 0), "unsupported protocol version 9"),
-        (REQ_HEAD.pack(MAGIC, 1, 77, 0, 1, 0), "unknown op 77"),
-        (REQ_HEAD.pack(MAGIC, 1, Op.READ, 0, 1, 10**6), "over the limit"),
-        (REQ_HEAD.pack(MAGIC, 1, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, 42, 0, 0, 10, 0), "unknown segment 42"),
-        (REQ_HEAD.pack(MAGIC, 1, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 2**40, 10, 0), "outside segment"),
-        (REQ_HEAD.pack(MAGIC, 1, Op.WRITE, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 0, 0, 0), "length 0"),
-        (REQ_HEAD.pack(MAGIC, 1, Op.WRITE, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 0, 2**62, 0), "outside segment"),
+        (REQ_HEAD.pack(MAGIC, VERSION, 77, 0, 1, 0), "unknown op 77"),
+        (REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 10**6), "over the limit"),
+        (
+            REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, 42, 0, 0, 10, 0, 0),
+            "unknown segment 42",
+        ),
+        (
+            REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 2**40, 10, 0, 0),
+            "outside segment",
+        ),
+        (REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 0, 0, 0, 0), "length 0"),
+        (
+            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 0, 2**62, 0, 0),
+            "outside segment",
+        ),
     ],
 )
 def test_malformed_data_port_frames(loaded, payload, match):
@@ -155,7 +164,9 @@ def test_data_port_write_with_wrong_checksum_is_refused_per_entry(loaded):
     payload = bytes(256)
     with socket.create_connection((host, port), timeout=10) as s:
         off = 32 << 20  # free space in the 64 MiB segment
-        s.sendall(REQ_HEAD.pack(MAGIC, 1, Op.WRITE, 0, 7, 1) + ENTRY.pack(b"z" * 16, 1, 0, off, 256, 12345) + payload)
+        s.sendall(
+            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 7, 1) + ENTRY.pack(b"z" * 16, 1, 0, off, 256, 12345, 0) + payload
+        )
         head = s.recv(RESP_HEAD.size, socket.MSG_WAITALL)
         assert RESP_HEAD.unpack(head)[1] == FrameStatus.OK
         assert s.recv(1, socket.MSG_WAITALL) == b"\x02"  # EntryStatus.CHECKSUM

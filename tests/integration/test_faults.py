@@ -124,10 +124,11 @@ def test_daemon_sigkill_turns_blocks_into_misses(cluster, transport):
         assert c.get_into(keys, out) == 0
         s = c.stats()
         assert s.counters["daemons_lost"] == 1 and s.keys == 0
-        # Writers go elsewhere: with no daemon left, a put is refused as out of space.
-        from kvstore.errors import ResourceExhausted
+        # Writers go elsewhere: with no daemon left, a put is refused as retryable (UNAVAILABLE:
+        # a daemon may come back), never as out of space.
+        from kvstore.errors import Unavailable
 
-        with pytest.raises(ResourceExhausted):
+        with pytest.raises(Unavailable, match="no live daemon"):
             c.put(chain(1, start=999), data(1, 100))
 
 

@@ -1,14 +1,19 @@
-"""The SSD segment on real files: round trips, compression, journal recovery, damage detection."""
+"""The daemon's segments on real files: the SSD segment (round trips, compression, pending
+writes and commits, journal recovery, damage detection) and the DRAM arena's sealed headers."""
 
 from __future__ import annotations
 
 import os
+import stat
 
 import numpy as np
 import pytest
 
-from kvstore.daemon.ssd import F_LZ4, F_SHUFFLE2, SsdSegment, compress, shuffle2, unshuffle2
-from kvstore.extent import HEADER_SIZE, checksum
+from kvstore.daemon import ssd as ssd_mod
+from kvstore.daemon.arena import ShmArena
+from kvstore.daemon.ssd import F_LZ4, F_SHUFFLE2, REC_SIZE, SsdSegment, compress, shuffle2, unshuffle2
+from kvstore.errors import ResourceExhausted
+from kvstore.extent import HEADER_SIZE, Sealer, checksum, scan
 
 MB = 1 << 20
 
@@ -30,17 +35,25 @@ def payloads() -> dict[str, np.ndarray]:
     }
 
 
+def store(seg: SsdSegment, offset: int, key: bytes, raw: np.ndarray, gen: int) -> int:
+    """Writes and commits one block (what a put that the service commits does); returns its extent bytes."""
+    size = seg.write(offset, key, raw, checksum(raw), gen)
+    b = seg.commit(offset, key, gen)
+    assert b is not None and (b.key, b.offset, b.size, b.length, b.gen) == (key, offset, size, raw.size, gen)
+    return size
+
+
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("name", list(payloads()))
 def test_write_read_roundtrip_every_payload(tmp_path, name, direct):
     seg = SsdSegment(tmp_path, 2, 16 * MB, direct_io=direct)
     raw = payloads()[name]
     key = name.encode().ljust(16, b"_")
-    seg.write(4096 * 3, key, raw, checksum(raw))
+    store(seg, 4096 * 3, key, raw, gen=7)
     st, out = seg.read(4096 * 3, key, raw.size)
     assert st.ok and np.array_equal(out, raw)
     dest = np.empty_like(raw)
-    st, _ = seg.read(4096 * 3, key, raw.size, out=dest)
+    st, _ = seg.read(4096 * 3, key, raw.size, out=dest, gen=7)
     assert st.ok and np.array_equal(dest, raw)
     seg.close()
 
@@ -54,9 +67,10 @@ def test_compression_only_where_it_pays(tmp_path):
     flags, data = compress(p["smooth_bf16"], "auto")
     assert flags & F_LZ4 and len(data) < p["smooth_bf16"].size * 0.9
     seg = SsdSegment(tmp_path, 2, 16 * MB)
-    size = seg.write(0, b"z" * 16, p["zeros"], checksum(p["zeros"]))
+    size = store(seg, 0, b"z" * 16, p["zeros"], gen=1)
     assert size == 4096  # 200 kB of zeros in one page
     assert seg.counters["compressed"] == 1
+    assert seg.inventory()[0].size == 4096
 
 
 def test_shuffle_round_trip_odd_length():
@@ -67,15 +81,17 @@ def test_shuffle_round_trip_odd_length():
     assert F_SHUFFLE2 != F_LZ4
 
 
-def test_wrong_key_or_length_is_a_mismatch_not_data(tmp_path):
+def test_wrong_key_length_or_gen_is_a_mismatch_not_data(tmp_path):
     seg = SsdSegment(tmp_path, 2, 4 * MB)
     raw = payloads()["fp32"]
-    seg.write(0, b"a" * 16, raw, checksum(raw))
+    store(seg, 0, b"a" * 16, raw, gen=5)
+    assert seg.read(0, b"a" * 16, raw.size, gen=5)[0].ok
     assert seg.read(0, b"b" * 16, raw.size)[0].reason == "mismatch"
     assert seg.read(0, b"a" * 16, raw.size - 1)[0].reason == "mismatch"
+    assert seg.read(0, b"a" * 16, raw.size, gen=4)[0].reason == "mismatch"
     assert seg.read(8 * MB, b"a" * 16, raw.size)[0].reason == "mismatch"
     with pytest.raises(ValueError, match="outside segment"):
-        seg.write(4 * MB - 4096, b"c" * 16, raw, checksum(raw))
+        seg.write(4 * MB - 4096, b"c" * 16, raw, checksum(raw), 6)
 
 
 def _fill(seg: SsdSegment, n: int) -> dict[bytes, tuple[int, np.ndarray]]:
@@ -85,26 +101,134 @@ def _fill(seg: SsdSegment, n: int) -> dict[bytes, tuple[int, np.ndarray]]:
         raw = rng.integers(0, 256, 20_000 + i, dtype=np.uint8)
         key = i.to_bytes(16, "little")
         off = i * 6 * 4096
-        seg.write(off, key, raw, checksum(raw))
+        store(seg, off, key, raw, gen=100 + i)
         blocks[key] = (off, raw)
     return blocks
 
 
-def test_recovery_after_reopen_keeps_every_whole_block(tmp_path):
+def test_recovery_after_reopen_keeps_committed_blocks_and_drops_invalidated_ones(tmp_path):
     seg = SsdSegment(tmp_path, 2, 16 * MB)
     blocks = _fill(seg, 20)
     victim = next(iter(blocks))
-    assert seg.invalidate(blocks[victim][0], victim)
+    assert seg.invalidate(blocks[victim][0], victim, 100)
+    assert not seg.invalidate(blocks[victim][0], victim, 100)  # already gone
+    assert victim not in {b.key for b in seg.inventory()}
     seg.close()  # as after a crash: nothing flushed beyond what the OS has
     seg = SsdSegment(tmp_path, 2, 16 * MB)
     found, discarded = seg.recover()
     assert discarded == 0
     assert {b.key for b in found} == set(blocks) - {victim}
+    assert [b.gen for b in found] == list(range(101, 120))  # oldest first, generations kept
+    assert seg.inventory() == found
     for b in found:
-        st, out = seg.read(b.offset, b.key, b.length)
+        st, out = seg.read(b.offset, b.key, b.length, gen=b.gen)
         assert st.ok and np.array_equal(out, blocks[b.key][1])
     # The journal was compacted to the live set.
-    assert os.path.getsize(seg.journal_path) == 19 * 68
+    assert REC_SIZE == 68
+    assert os.path.getsize(seg.journal_path) == 19 * REC_SIZE
+    assert seg.journal_path.read_bytes()[:4] == b"KVJ2"
+
+
+def test_written_but_not_committed_block_is_pending_only(tmp_path):
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    a, b = np.full(5000, 1, np.uint8), np.full(5000, 2, np.uint8)
+    store(seg, 0, b"a" * 16, a, gen=1)
+    seg.write(4096 * 4, b"b" * 16, b, checksum(b), 2)
+    assert [x.key for x in seg.inventory()] == [b"a" * 16]
+    # A commit must name the pending write exactly.
+    assert seg.commit(4096 * 4, b"b" * 16, 3) is None
+    assert seg.commit(4096 * 4, b"x" * 16, 2) is None
+    assert seg.commit(4096 * 8, b"b" * 16, 2) is None
+    assert seg.counters["commits"] == 1
+    assert len(seg.inventory()) == 1
+    seg.close()  # the writer never committed (it died, or the service refused the put)
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    found, discarded = seg.recover()
+    assert [x.key for x in found] == [b"a" * 16] and discarded == 0
+    assert seg.commit(4096 * 4, b"b" * 16, 2) is None  # the pending write did not survive either
+
+
+def test_commit_is_idempotent_and_invalidate_drops_a_pending_write(tmp_path):
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    raw = np.full(5000, 3, np.uint8)
+    store(seg, 0, b"a" * 16, raw, gen=1)
+    size = os.path.getsize(seg.journal_path)
+    again = seg.commit(0, b"a" * 16, 1)  # a retried commit answers the committed block
+    assert again is not None and again.gen == 1
+    assert os.path.getsize(seg.journal_path) == size
+    seg.write(4096 * 4, b"b" * 16, raw, checksum(raw), 2)
+    assert not seg.invalidate(4096 * 4, b"b" * 16, 9)
+    assert seg.invalidate(4096 * 4, b"b" * 16, 2)  # an aborted put: nothing journaled
+    assert seg.commit(4096 * 4, b"b" * 16, 2) is None
+    assert os.path.getsize(seg.journal_path) == size
+    assert [x.key for x in seg.inventory()] == [b"a" * 16]
+
+
+def test_invalidate_with_a_stale_gen_keeps_the_newer_block(tmp_path):
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    old, new = np.full(8000, 1, np.uint8), np.full(8000, 2, np.uint8)
+    key = b"k" * 16
+    store(seg, 0, key, old, gen=10)
+    assert seg.invalidate(0, key, 10)
+    store(seg, 0, key, new, gen=11)  # the extent is reused by a newer write of the same key
+    assert not seg.invalidate(0, key, 10)  # a late tombstone for the old block
+    assert [(b.key, b.gen) for b in seg.inventory()] == [(key, 11)]
+    st, out = seg.read(0, key, new.size, gen=11)
+    assert st.ok and np.array_equal(out, new)
+    assert seg.read(0, key, new.size, gen=10)[0].reason == "mismatch"
+    seg.close()
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    found, discarded = seg.recover()
+    assert [(b.key, b.gen) for b in found] == [(key, 11)] and discarded == 0
+
+
+def test_commit_on_a_full_journal_is_resource_exhausted_and_appends_nothing(tmp_path, monkeypatch):
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    raw = np.full(5000, 4, np.uint8)
+    store(seg, 0, b"a" * 16, raw, gen=1)
+    seg.write(4096 * 4, b"b" * 16, raw, checksum(raw), 2)
+    size = os.path.getsize(seg.journal_path)
+    real_write = os.write
+
+    def full(fd, data):  # a file system that takes half a record, then is full
+        if fd == seg._jfd:
+            return real_write(fd, bytes(data)[: len(data) // 2])
+        return real_write(fd, data)
+
+    monkeypatch.setattr(ssd_mod.os, "write", full)
+    with pytest.raises(ResourceExhausted, match="no space"):
+        seg.commit(4096 * 4, b"b" * 16, 2)
+    assert os.path.getsize(seg.journal_path) == size  # the torn half record was cut off
+    assert [x.key for x in seg.inventory()] == [b"a" * 16]
+    assert seg.counters["journal_full"] == 1
+    # A DEL that cannot be journaled clears the header instead: no recovery adopts the block.
+    assert seg.invalidate(0, b"a" * 16, 1)
+    assert seg.inventory() == []
+    assert seg.read(0, b"a" * 16, raw.size)[0].reason == "mismatch"
+    monkeypatch.undo()
+    # Once there is room again, the still pending write can be committed.
+    assert seg.commit(4096 * 4, b"b" * 16, 2) is not None
+    seg.close()
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    found, discarded = seg.recover()
+    assert [x.key for x in found] == [b"b" * 16]
+    assert discarded == 1  # a's ADD record is there, its header is not
+
+
+def test_segment_secret_file_and_a_lost_secret(tmp_path):
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    secret = tmp_path / "ssd.secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    _fill(seg, 3)
+    seg.close()
+    # Reopened with the same secret file: everything is adopted.
+    seg = SsdSegment(tmp_path, 2, 16 * MB)
+    assert len(seg.recover()[0]) == 3
+    seg.close()
+    # With another secret (the file was lost): nothing old is adopted, fail safe.
+    seg = SsdSegment(tmp_path, 2, 16 * MB, sealer=Sealer(os.urandom(32)))
+    found, discarded = seg.recover()
+    assert found == [] and discarded == 3
 
 
 def test_torn_journal_tail_and_flipped_payload_byte_are_discarded(tmp_path):
@@ -129,7 +253,7 @@ def test_torn_journal_tail_and_flipped_payload_byte_are_discarded(tmp_path):
     assert len(found) == 8 and discarded == 1
     # New records follow the whole ones, and survive another reopen.
     raw = np.ones(5000, np.uint8)
-    seg.write(15 * MB, b"n" * 16, raw, checksum(raw))
+    store(seg, 15 * MB, b"n" * 16, raw, gen=500)
     seg.close()
     seg = SsdSegment(tmp_path, 2, 16 * MB)
     found, discarded = seg.recover()
@@ -152,7 +276,36 @@ def test_flipped_byte_found_at_read_time(tmp_path):
 def test_durable_mode_round_trip(tmp_path):
     seg = SsdSegment(tmp_path, 2, 4 * MB, durability="durable")
     raw = payloads()["bf16"]
-    seg.write(0, b"d" * 16, raw, checksum(raw))
-    assert seg.read(0, b"d" * 16, raw.size)[0].ok
+    store(seg, 0, b"d" * 16, raw, gen=1)
+    assert seg.read(0, b"d" * 16, raw.size, gen=1)[0].ok
     with pytest.raises(ValueError, match="durability"):
         SsdSegment(tmp_path / "x", 2, 4 * MB, durability="sometimes")
+
+
+# ---- the DRAM arena -----------------------------------------------------------------------------
+
+
+def test_arena_invalidate_with_a_wrong_gen_leaves_the_newer_block(tmp_path):
+    sealer = Sealer(os.urandom(32))
+    arena = ShmArena(tmp_path / "arena", MB, create=True)
+    key, off = b"k" * 16, 4096
+    data = np.arange(1000, dtype=np.uint16).view(np.uint8)
+    arena.array[off + HEADER_SIZE : off + HEADER_SIZE + data.size] = data  # the writer's copy
+    assert scan(arena.array, sealer).extents == []  # not committed yet: nothing to adopt
+    assert arena.commit(sealer, off, key, data.size, checksum(data), gen=1)
+    assert arena.invalidate(sealer, off, key, 1)
+    assert scan(arena.array, sealer).extents == []
+    # The extent is reused by a newer write of the same key; a late invalidation of gen 1 misses it.
+    assert arena.commit(sealer, off, key, data.size, checksum(data), gen=2)
+    assert not arena.invalidate(sealer, off, key, 1)
+    assert not arena.invalidate(sealer, off, b"x" * 16, 2)
+    assert not arena.invalidate(Sealer(os.urandom(32)), off, key, 2)
+    h = sealer.parse(arena.view, off)
+    assert h is not None and h.gen == 2
+    assert [(h.offset, h.key, h.gen) for h in scan(arena.array, sealer).extents] == [(off, key, 2)]
+    assert arena.invalidate(sealer, off, key, 2)
+    assert scan(arena.array, sealer).extents == []
+    # Extents that do not fit are refused.
+    assert not arena.commit(sealer, MB - HEADER_SIZE, key, 1, 0, gen=3)
+    assert not arena.invalidate(sealer, MB, key, 3)
+    arena.close()

@@ -1,0 +1,213 @@
+"""The metadata service's calls to daemons: commits, tombstones, tier moves.
+
+The index (:mod:`kvstore.meta.index`) decides; this module carries its decisions to the daemons
+and feeds their answers back, so that what a daemon holds and what the index says agree at
+every point a client can observe:
+
+- **Commit**: a put becomes visible only after its daemon wrote the block's sealed header
+  (DRAM) or journal record (SSD). A daemon that does not answer in time leaves its blocks
+  uncommitted (released, never visible).
+- **Tombstones**: a committed block dropped from the index is dropped on its daemon before the
+  call that dropped it is answered (:meth:`DaemonLink.flush`). Tombstones a daemon could not
+  take then go out with its heartbeats until it acknowledges them.
+- **Moves**: demotions and promotions, each daemon's batch on its own (one slow daemon does not
+  hold up the others' tier moves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable
+
+import grpc
+
+from kvstore.errors import KVStoreError
+from kvstore.meta.index import CommitStatus, Index, Move, PendingCommit, Replica, Tombstone
+from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+from kvstore.wire import U8, U32, U64, pack, unpack
+
+log = logging.getLogger("kvstore.meta")
+
+_CLIENT_OPTIONS = [
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+]
+
+
+def invalidations_pb(items: Iterable[Tombstone]) -> list[common_pb2.Invalidation]:
+    by_seg: dict[int, list[Tombstone]] = {}
+    for t in items:
+        by_seg.setdefault(t.segment_id, []).append(t)
+    return [
+        common_pb2.Invalidation(
+            segment_id=seg,
+            keys=b"".join(t.key for t in ts),
+            offset=pack([t.offset for t in ts], U64),
+            gen=pack([t.gen for t in ts], U64),
+        )
+        for seg, ts in by_seg.items()
+    ]
+
+
+class DaemonLink:
+    """Per-daemon control channels of one metadata service, and what travels over them."""
+
+    def __init__(self, index: Index, rpc_timeout_s: float = 5.0, move_timeout_s: float = 120.0) -> None:
+        self.index = index
+        self.rpc_timeout_s = rpc_timeout_s
+        self.move_timeout_s = move_timeout_s
+        self._stubs: dict[str, tuple[str, grpc.aio.Channel, daemon_pb2_grpc.DaemonControlStub]] = {}
+        self._move_failing: set[str] = set()
+        # Tombstones sent with heartbeats, per daemon: (batch id, items), until acknowledged.
+        self._inflight: dict[str, tuple[int, list[Tombstone]]] = {}
+        self._batches = itertools.count(1)
+
+    def _stub(self, daemon_id: str) -> daemon_pb2_grpc.DaemonControlStub | None:
+        d = self.index.daemons.get(daemon_id)
+        if d is None:
+            return None
+        addr = d.spec.control_addr
+        cached = self._stubs.get(daemon_id)
+        if cached is None or cached[0] != addr:
+            if cached is not None:
+                asyncio.ensure_future(cached[1].close())
+            ch = grpc.aio.insecure_channel(addr, options=_CLIENT_OPTIONS)
+            cached = self._stubs[daemon_id] = (addr, ch, daemon_pb2_grpc.DaemonControlStub(ch))
+        return cached[2]
+
+    # ---- commits ----------------------------------------------------------------------------
+
+    async def commit(self, pc: PendingCommit) -> dict[int, tuple[int, int]]:
+        """Has each daemon commit its blocks of the put. Returns, per placement index, the
+        daemon's (CommitStatus, stored extent bytes)."""
+        groups: dict[str, list[tuple[int, Replica]]] = {}
+        for i, rep in enumerate(pc.replicas):
+            if rep is not None and rep.live:
+                groups.setdefault(rep.segment.daemon.spec.daemon_id, []).append((i, rep))
+        results = await asyncio.gather(*(self._commit_one(did, items, pc) for did, items in groups.items()))
+        out: dict[int, tuple[int, int]] = {}
+        for r in results:
+            out.update(r)
+        return out
+
+    async def _commit_one(
+        self, daemon_id: str, items: list[tuple[int, Replica]], pc: PendingCommit
+    ) -> dict[int, tuple[int, int]]:
+        unavailable = {i: (int(CommitStatus.UNAVAILABLE), 0) for i, _ in items}
+        stub = self._stub(daemon_id)
+        if stub is None:
+            return unavailable
+        reps = [r for _, r in items]
+        req = daemon_pb2.CommitRequest(
+            keys=b"".join(r.entry.key for r in reps),
+            segment=pack([r.segment.spec.segment_id for r in reps], U32),
+            offset=pack([r.offset for r in reps], U64),
+            length=pack([r.length for r in reps], U64),
+            checksum=pack([pc.checksums[i] for i, _ in items], U64),
+            gen=pack([r.gen for r in reps], U64),
+        )
+        try:
+            resp = await stub.Commit(req, timeout=self.rpc_timeout_s)
+            status = unpack(resp.status, U8, "status", len(items))
+            stored = unpack(resp.stored_size, U64, "stored_size", len(items))
+        except (grpc.aio.AioRpcError, KVStoreError) as e:
+            reason = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.warning("event=commit_failed daemon=%s blocks=%d reason=%s", daemon_id, len(items), reason)
+            return unavailable
+        return {i: (st, sz) for (i, _), st, sz in zip(items, status, stored)}
+
+    # ---- tombstones -------------------------------------------------------------------------
+
+    async def flush(self, taken: dict[str, list[Tombstone]] | None = None) -> set[str]:
+        """Delivers tombstones (``taken``, default: all pending for live daemons) and waits
+        for the daemons to apply them. Returns the daemons that did not; their tombstones are
+        kept for their heartbeats."""
+        if taken is None:
+            taken = self.index.take_tombstones()
+        if not taken:
+            return set()
+        results = await asyncio.gather(*(self._invalidate(did, items) for did, items in taken.items()))
+        failed = set()
+        for (did, items), ok in zip(taken.items(), results):
+            if not ok:
+                failed.add(did)
+                self.index.return_tombstones(did, items)
+        return failed
+
+    async def _invalidate(self, daemon_id: str, items: list[Tombstone]) -> bool:
+        stub = self._stub(daemon_id)
+        if stub is None:
+            return False
+        try:
+            await stub.Invalidate(
+                daemon_pb2.InvalidateRequest(invalidations=invalidations_pb(items)), timeout=self.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning(
+                "event=invalidate_failed daemon=%s blocks=%d reason=%s action=retry_with_heartbeat",
+                daemon_id, len(items), e.code().name,
+            )  # fmt: skip
+            return False
+        return True
+
+    def heartbeat_batch(self, daemon_id: str, acked: int) -> tuple[int, list[Tombstone]]:
+        """The tombstones to send with a heartbeat answer: the batch in flight until the daemon
+        acknowledges it, then the next one."""
+        cur = self._inflight.get(daemon_id)
+        if cur is not None and cur[0] == acked:
+            del self._inflight[daemon_id]
+            cur = None
+        if cur is None:
+            items = self.index.take_tombstones([daemon_id]).get(daemon_id)
+            if not items:
+                return 0, []
+            cur = self._inflight[daemon_id] = (next(self._batches), items)
+        return cur
+
+    # ---- tier moves -------------------------------------------------------------------------
+
+    async def run_moves(self, plans: dict[str, list[Move]]) -> None:
+        """Carries out planned moves, each daemon's batch independently, and reports each
+        outcome to the index."""
+        await asyncio.gather(*(self._run_moves(did, moves) for did, moves in plans.items()))
+
+    async def _run_moves(self, daemon_id: str, moves: list[Move]) -> None:
+        stub = self._stub(daemon_id)
+        if stub is None:
+            for mv in moves:
+                self.index.finish_move(mv.move_id, False)
+            return
+        req = daemon_pb2.MoveRequest(
+            keys=b"".join(mv.src.entry.key for mv in moves),
+            src_segment=pack([mv.src.segment.spec.segment_id for mv in moves], U32),
+            src_offset=pack([mv.src.offset for mv in moves], U64),
+            dst_segment=pack([mv.dst.segment.spec.segment_id for mv in moves], U32),
+            dst_offset=pack([mv.dst.offset for mv in moves], U64),
+            length=pack([mv.src.length for mv in moves], U64),
+            checksum=pack([mv.src.checksum for mv in moves], U64),
+            src_gen=pack([mv.src.gen for mv in moves], U64),
+            dst_gen=pack([mv.dst.gen for mv in moves], U64),
+        )
+        try:
+            resp = await stub.Move(req, timeout=self.move_timeout_s)
+            ok = unpack(resp.ok, U8, "ok", len(moves))
+            stored = unpack(resp.stored_size, U64, "stored_size", len(moves))
+        except (grpc.aio.AioRpcError, KVStoreError) as e:
+            # Once per outage: the tier loop retries every tick until the daemon's lease lapses.
+            level = logging.DEBUG if daemon_id in self._move_failing else logging.WARNING
+            self._move_failing.add(daemon_id)
+            reason = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.log(level, "event=moves_failed daemon=%s count=%d reason=%s", daemon_id, len(moves), reason)
+            ok, stored = [0] * len(moves), [0] * len(moves)
+        else:
+            self._move_failing.discard(daemon_id)
+        for mv, good, size in zip(moves, ok, stored):
+            self.index.finish_move(mv.move_id, bool(good), size)
+        log.debug("event=moves daemon=%s count=%d ok=%d", daemon_id, len(moves), sum(ok))
+
+    async def close(self) -> None:
+        for _addr, ch, _stub in self._stubs.values():
+            await ch.close()
+        self._stubs.clear()
