@@ -172,7 +172,7 @@ def _engine_kv() -> dict[str, np.ndarray]:
 def measure_compression() -> tuple[str, dict]:
     import lz4.block
 
-    from kvstore.daemon.ssd import shuffle2
+    from kvstore.daemon.codec import shuffle2
 
     source, samples = kv_samples()
     res = {}

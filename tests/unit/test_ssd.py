@@ -11,7 +11,8 @@ import pytest
 
 from kvstore.daemon import ssd as ssd_mod
 from kvstore.daemon.arena import ShmArena
-from kvstore.daemon.ssd import F_LZ4, F_SHUFFLE2, REC_SIZE, SsdSegment, compress, shuffle2, unshuffle2
+from kvstore.daemon.codec import F_LZ4, F_SHUFFLE2, compress, shuffle2, unshuffle2
+from kvstore.daemon.ssd import REC_SIZE, SsdSegment
 from kvstore.errors import ResourceExhausted
 from kvstore.extent import HEADER_SIZE, Sealer, checksum, scan
 

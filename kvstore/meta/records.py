@@ -1,0 +1,257 @@
+"""The records the index is made of: typed values (specs, inventory items, tombstones, results,
+limits) and the mutable per-block, per-segment and per-daemon state that
+:class:`kvstore.meta.index.Index` keeps. No behaviour beyond small accessors: the index owns
+every change.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import NamedTuple
+
+from kvstore.extent import ALIGN, SSD_ALIGN
+from kvstore.meta.allocator import Allocator
+
+
+class Clock:
+    """Monotonic seconds, plus a skew that tests may advance (``AdvanceClock``)."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() + self.skew
+
+    def advance(self, seconds: float) -> float:
+        self.skew += seconds
+        return self.now()
+
+
+class Tier(IntEnum):  # mirrors kvstore.v1.Tier
+    DRAM = 1
+    SSD = 2
+    GPU = 3
+
+
+class PutStatus(IntEnum):  # mirrors kvstore.v1.PutStatus
+    ALLOCATED = 0
+    SKIP_EXISTS = 1
+    SKIP_INFLIGHT = 2
+    NO_SPACE = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSpec:
+    segment_id: int
+    tier: Tier
+    capacity: int
+    shm_path: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonSpec:
+    daemon_id: str
+    host_id: str
+    data_addr: str
+    control_addr: str
+    segments: tuple[SegmentSpec, ...]
+
+
+class InventoryItem(NamedTuple):
+    key: bytes
+    offset: int
+    length: int  # payload bytes (uncompressed)
+    checksum: int  # xxh3-64 of the payload
+    size: int = 0  # extent bytes in the segment; 0 = computed from length
+    gen: int = 0  # the generation in the block's header
+
+
+class Tombstone(NamedTuple):
+    """A committed block a daemon must drop: exactly this generation of ``key`` at ``offset``."""
+
+    segment_id: int
+    key: bytes
+    offset: int
+    gen: int
+
+
+SEGMENT_ALIGN = {Tier.DRAM: ALIGN, Tier.SSD: SSD_ALIGN, Tier.GPU: ALIGN}
+
+
+ROW = struct.Struct("<IIQQQQ")  # segment ref | reserved | offset | length | checksum | gen (common.proto)
+
+
+class Replica:
+    __slots__ = (
+        "segment", "offset", "size", "length", "checksum", "leases", "entry", "live", "ready", "row", "gen", "written",
+    )  # fmt: skip
+
+    def __init__(self, segment: Segment, offset: int, size: int, length: int, entry: Entry, gen: int) -> None:
+        self.segment = segment
+        self.gen = gen
+        self.offset = offset
+        self.size = size  # extent bytes in the segment
+        self.length = length  # payload bytes
+        self.checksum = 0
+        self.leases = 0
+        self.entry = entry
+        self.live = True  # False once dropped from the index (freed when the last lease goes)
+        self.ready = False  # bytes written and committed: readable
+        # The daemon may hold a committed header for it (a commit or move was attempted):
+        # dropping it then needs a tombstone even if it never became ready.
+        self.written = False
+        self.row = ROW.pack(segment.ref, 0, offset, length, 0, gen)
+
+    @property
+    def tier(self) -> Tier:
+        return self.segment.spec.tier
+
+    def set_checksum(self, csum: int) -> None:
+        self.checksum = csum
+        self.row = ROW.pack(self.segment.ref, 0, self.offset, self.length, csum, self.gen)
+
+    def evictable(self) -> bool:
+        return self.live and self.ready and self.leases == 0 and not self.entry.pinned and self.entry.complete
+
+
+class Entry:
+    __slots__ = ("key", "complete", "replicas", "pinned", "put_id", "moving")
+
+    def __init__(self, key: bytes, put_id: int) -> None:
+        self.key = key
+        self.complete = False
+        self.replicas: list[Replica] = []
+        self.pinned = False
+        self.put_id = put_id
+        self.moving = False  # a demotion or promotion of this block is under way
+
+    @property
+    def replica(self) -> Replica | None:
+        """The replica a reader gets: a ready DRAM one first, else any ready one (a pending
+        entry: its reservation)."""
+        best = None
+        for r in self.replicas:
+            if r.ready:
+                if r.segment.spec.tier == Tier.DRAM:
+                    return r
+                best = best or r
+        if best is None and self.replicas and not self.complete:
+            return self.replicas[0]
+        return best
+
+    def on(self, tier: Tier) -> Replica | None:
+        for r in self.replicas:
+            if r.segment.spec.tier == tier:
+                return r
+        return None
+
+
+class Segment:
+    __slots__ = ("daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref")
+
+    def __init__(self, daemon: Daemon, spec: SegmentSpec, ref: int, alloc: Allocator | None = None) -> None:
+        self.daemon = daemon
+        self.ref = ref  # names this segment in location rows
+        self.spec = spec
+        self.alloc = alloc or Allocator(spec.capacity, SEGMENT_ALIGN[spec.tier])
+        # Evictable replicas only, oldest first.
+        self.lru: OrderedDict[bytes, Replica] = OrderedDict()
+        self.blocks = 0
+        self.pinned = 0
+        self.leased = 0
+
+    @property
+    def align(self) -> int:
+        return self.alloc.align
+
+
+@dataclass(slots=True)
+class Daemon:
+    spec: DaemonSpec
+    deadline: float
+    last_heartbeat: float
+    segments: dict[int, Segment] = field(default_factory=dict)
+
+    def tier(self, tier: Tier) -> Segment | None:
+        for s in self.segments.values():
+            if s.spec.tier == tier:
+                return s
+        return None
+
+
+@dataclass(slots=True)
+class Put:
+    put_id: int
+    deadline: float
+    keys: list[bytes]  # the whole request, for touching the chain on commit
+    entries: list[Entry]  # the allocated ones, in placement order
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    deadline: float
+    replicas: list[Replica]
+
+
+@dataclass(slots=True)
+class PendingCommit:
+    """A put between PutCommit's start and the daemons' answer (see :meth:`Index.put_commit_begin`)."""
+
+    put: Put
+    # Per allocated block, in placement order: its replica (None: not to be committed) and
+    # its status so far (a CommitStatus).
+    replicas: list[Replica | None]
+    status: list[int]
+    checksums: list[int]
+
+
+class CommitStatus(IntEnum):  # mirrors kvstore.v1.CommitStatus
+    OK = 0
+    NOT_WRITTEN = 1
+    MISMATCH = 2
+    NO_SPACE = 3
+    UNAVAILABLE = 4
+
+
+@dataclass(slots=True)
+class Move:
+    """A copy of one block between two segments of one daemon (demotion or promotion)."""
+
+    move_id: int
+    src: Replica  # leased for the duration
+    dst: Replica  # reserved, not ready
+    demote: bool
+
+
+class PutStartResult(NamedTuple):
+    put_id: int
+    status: list[int]
+    placements: list[Replica]
+    deadline: float
+
+
+class AcquireResult(NamedTuple):
+    hit_count: int
+    lease_id: int
+    locations: list[Replica]
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class IndexLimits:
+    max_batch_keys: int = 16384
+    max_block_bytes: int = 1 << 30
+    put_timeout_s: float = 30.0
+    max_put_timeout_s: float = 600.0
+    lease_ttl_s: float = 10.0
+    max_lease_ttl_s: float = 300.0
+    daemon_ttl_s: float = 3.0
+    heartbeat_interval_s: float = 0.5
+    # DRAM fill above which the coldest blocks are demoted to SSD, and the fill to demote down to.
+    dram_high_watermark: float = 0.9
+    dram_low_watermark: float = 0.8
