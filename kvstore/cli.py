@@ -162,6 +162,8 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
                 cfg.daemon.meta = str(info["meta"])
         if with_daemon:
             daemon = CacheDaemon(cfg.daemon)
+            if meta is not None:  # one process: the service calls the daemon directly
+                meta.link.attach_local(daemon.daemon_id, daemon)
             await daemon.start()
             await asyncio.wait_for(daemon.registered.wait(), timeout=60)
             info.update(
@@ -173,10 +175,11 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
         _ready(**info)
         await _until_signal()
     finally:
-        if daemon:
-            await daemon.stop()
+        # The service first: its background rounds may still be calling the daemon.
         if meta:
             await meta.stop()
+        if daemon:
+            await daemon.stop()
 
 
 def _fmt_bytes(n: float) -> str:

@@ -121,6 +121,7 @@ class CacheDaemon:
         self.registered = asyncio.Event()
         self.registrations = 0
         self._acked_batch = 0
+        self.stopping = False
 
     @staticmethod
     def _stable_id(data_dir: Path) -> str:
@@ -346,6 +347,7 @@ class CacheDaemon:
 
     async def stop(self) -> None:
         """Stops every part, each even if another failed (and logs what failed)."""
+        self.stopping = True
         if self._hb_task:
             self._hb_task.cancel()
 

@@ -12,6 +12,9 @@ every point a client can observe:
   take then go out with its heartbeats until it acknowledges them.
 - **Moves**: demotions and promotions, each daemon's batch on its own (one slow daemon does not
   hold up the others' tier moves).
+
+A daemon running in the service's own process (``kvstore serve``) is called directly
+(:meth:`DaemonLink.attach_local`), the same requests without the gRPC round trip.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, Unavailable
 from kvstore.meta.index import CommitStatus, Index, Move, PendingCommit, Replica, Tombstone
 from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 from kvstore.wire import U8, U32, U64, pack, unpack
@@ -51,6 +54,30 @@ def invalidations_pb(items: Iterable[Tombstone]) -> list[common_pb2.Invalidation
     ]
 
 
+class _LocalDaemon:
+    """The control API of a daemon in this process, with the stub's call shape."""
+
+    def __init__(self, daemon) -> None:  # noqa: ANN001
+        self.d = daemon
+
+    def _check(self) -> None:
+        if self.d.stopping:
+            raise Unavailable(f"daemon {self.d.daemon_id} is stopping")
+
+    async def Commit(self, req, timeout=None):  # noqa: ANN001, ANN201, N802
+        self._check()
+        return await self.d.run(self.d.commit, req)
+
+    async def Invalidate(self, req, timeout=None):  # noqa: ANN001, ANN201, N802
+        self._check()
+        cleared = await self.d.run(self.d.invalidate, req.invalidations)
+        return daemon_pb2.InvalidateResponse(cleared=cleared)
+
+    async def Move(self, req, timeout=None):  # noqa: ANN001, ANN201, N802
+        self._check()
+        return await asyncio.to_thread(self.d.move, req)
+
+
 class DaemonLink:
     """Per-daemon control channels of one metadata service, and what travels over them."""
 
@@ -63,11 +90,20 @@ class DaemonLink:
         # Tombstones sent with heartbeats, per daemon: (batch id, items), until acknowledged.
         self._inflight: dict[str, tuple[int, list[Tombstone]]] = {}
         self._batches = itertools.count(1)
+        self._local: dict[str, _LocalDaemon] = {}
 
-    def _stub(self, daemon_id: str) -> daemon_pb2_grpc.DaemonControlStub | None:
+    def attach_local(self, daemon_id: str, daemon: object) -> None:
+        """Calls ``daemon`` (a :class:`kvstore.daemon.server.CacheDaemon` in this process)
+        directly instead of through its control API."""
+        self._local[daemon_id] = _LocalDaemon(daemon)
+
+    def _stub(self, daemon_id: str) -> daemon_pb2_grpc.DaemonControlStub | _LocalDaemon | None:
         d = self.index.daemons.get(daemon_id)
         if d is None:
             return None
+        local = self._local.get(daemon_id)
+        if local is not None:
+            return local
         addr = d.spec.control_addr
         cached = self._stubs.get(daemon_id)
         if cached is None or cached[0] != addr:
@@ -112,7 +148,7 @@ class DaemonLink:
             resp = await stub.Commit(req, timeout=self.rpc_timeout_s)
             status = unpack(resp.status, U8, "status", len(items))
             stored = unpack(resp.stored_size, U64, "stored_size", len(items))
-        except (grpc.aio.AioRpcError, KVStoreError) as e:
+        except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
             reason = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning("event=commit_failed daemon=%s blocks=%d reason=%s", daemon_id, len(items), reason)
             return unavailable
@@ -144,10 +180,10 @@ class DaemonLink:
             await stub.Invalidate(
                 daemon_pb2.InvalidateRequest(invalidations=invalidations_pb(items)), timeout=self.rpc_timeout_s
             )
-        except grpc.aio.AioRpcError as e:
+        except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
             log.warning(
                 "event=invalidate_failed daemon=%s blocks=%d reason=%s action=retry_with_heartbeat",
-                daemon_id, len(items), e.code().name,
+                daemon_id, len(items), e.code().name if isinstance(e, grpc.aio.AioRpcError) else repr(e),
             )  # fmt: skip
             return False
         return True
@@ -194,7 +230,7 @@ class DaemonLink:
             resp = await stub.Move(req, timeout=self.move_timeout_s)
             ok = unpack(resp.ok, U8, "ok", len(moves))
             stored = unpack(resp.stored_size, U64, "stored_size", len(moves))
-        except (grpc.aio.AioRpcError, KVStoreError) as e:
+        except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
             # Once per outage: the tier loop retries every tick until the daemon's lease lapses.
             level = logging.DEBUG if daemon_id in self._move_failing else logging.WARNING
             self._move_failing.add(daemon_id)

@@ -114,16 +114,21 @@ class World:
         assert self.client is not None
         from kvstore.errors import ResourceExhausted
 
+        # Tier moves held meanwhile, so that what the put committed is still there to look up.
+        await self.pause_tiering()
         try:
-            res = await self.client.put(keys, [block(k) for k in keys])
-        except ResourceExhausted:
-            return
-        for k in keys:
-            if k not in self.committed:
-                self.known.append(k)
-        self.committed |= set(keys)
-        if res.rejected == 0:  # everything stored or already there: all visible right now
-            assert await self.client.lookup(keys) == len(keys)
+            try:
+                res = await self.client.put(keys, [block(k) for k in keys])
+            except ResourceExhausted:
+                return
+            for k in keys:
+                if k not in self.committed:
+                    self.known.append(k)
+            self.committed |= set(keys)
+            if res.rejected == 0:  # everything stored or already there: all visible right now
+                assert await self.client.lookup(keys) == len(keys)
+        finally:
+            self.resume_tiering()
 
     async def check(self) -> None:
         """Served == committed minus removed minus evicted; bytes right."""
