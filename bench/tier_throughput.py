@@ -193,17 +193,21 @@ def measure_compression() -> tuple[str, dict]:
 
 def measure_restart(work: Path, blocks: int, block_bytes: int) -> dict:
     from kvstore.daemon.ssd import SsdSegment
-    from kvstore.extent import SSD_ALIGN, checksum, extent_size
+    from kvstore.extent import SSD_ALIGN, Sealer, checksum, extent_size
 
     data_dir = work / "restart"
+    data_dir.mkdir(parents=True, exist_ok=True)
     seg_bytes = blocks * extent_size(block_bytes, SSD_ALIGN) + (16 << 20)
-    seg = SsdSegment(data_dir / "ssd", 2, seg_bytes, compress_policy="off")
+    # Written as the daemon would (sealed with its secret, committed), then recovered by it.
+    sealer = Sealer.load_or_create(data_dir / "daemon.secret")
+    seg = SsdSegment(data_dir / "ssd", 2, seg_bytes, compress_policy="off", sealer=sealer)
     rng = np.random.default_rng(3)
     payload = rng.integers(0, 256, block_bytes, dtype=np.uint8)
     csum = checksum(payload)
     step = extent_size(block_bytes, SSD_ALIGN)
     for i in tqdm(range(blocks), desc="filling SSD segment", unit="block", miniters=5000):
-        seg.write(i * step, i.to_bytes(16, "little"), payload, csum)
+        seg.write(i * step, i.to_bytes(16, "little"), payload, csum, i + 1)
+        seg.commit(i * step, i.to_bytes(16, "little"), i + 1)
     seg.close()
     meta, minfo = start(["meta", "--listen", "127.0.0.1:0"])
     args = ["daemon", "--meta", minfo["meta"], "--dram", "16MiB", "--data-dir", str(data_dir),

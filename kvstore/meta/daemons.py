@@ -87,6 +87,7 @@ class DaemonLink:
         self.move_timeout_s = move_timeout_s
         self._stubs: dict[str, tuple[str, grpc.aio.Channel, daemon_pb2_grpc.DaemonControlStub]] = {}
         self._move_failing: set[str] = set()
+        self._invalidate_failing: set[str] = set()
         # Tombstones sent with heartbeats, per daemon: (batch id, items), until acknowledged.
         self._inflight: dict[str, tuple[int, list[Tombstone]]] = {}
         self._batches = itertools.count(1)
@@ -181,11 +182,15 @@ class DaemonLink:
                 daemon_pb2.InvalidateRequest(invalidations=invalidations_pb(items)), timeout=self.rpc_timeout_s
             )
         except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
-            log.warning(
-                "event=invalidate_failed daemon=%s blocks=%d reason=%s action=retry_with_heartbeat",
+            # Once per outage: every round retries until the daemon answers or its lease lapses.
+            level = logging.DEBUG if daemon_id in self._invalidate_failing else logging.WARNING
+            self._invalidate_failing.add(daemon_id)
+            log.log(
+                level, "event=invalidate_failed daemon=%s blocks=%d reason=%s action=retry_with_heartbeat",
                 daemon_id, len(items), e.code().name if isinstance(e, grpc.aio.AioRpcError) else repr(e),
             )  # fmt: skip
             return False
+        self._invalidate_failing.discard(daemon_id)
         return True
 
     def heartbeat_batch(self, daemon_id: str, acked: int) -> tuple[int, list[Tombstone]]:
