@@ -9,7 +9,8 @@
 - whatever a handler raises becomes a status by cause: a :class:`~kvstore.errors.KVStoreError`
   its own code, anything else INTERNAL (logged with its traceback), never UNKNOWN.
 
-Handlers may be plain functions or coroutines.
+Handlers may be plain functions or coroutines; server-streaming methods (gRPC health's
+``Watch``) may be async generators or coroutines that write to the context.
 """
 
 from __future__ import annotations
@@ -70,17 +71,45 @@ def _wrap(service: str, method: str, fn: Any) -> Any:
     return handler
 
 
+def _wrap_stream(service: str, method: str, fn: Any) -> Any:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, BadRequest):
+            log.info("rpc=%s error=InvalidArgument reason=%r", method, request.reason)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        try:
+            result = fn(request, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    await context.write(item)
+            elif inspect.isawaitable(result):
+                await result
+        except grpc.aio.AbortError:
+            raise
+        except KVStoreError as e:
+            await context.abort(e.code, e.message)
+        except Exception as e:  # noqa: BLE001
+            log.exception("rpc=%s.%s error=internal", service, method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
+
+    handler.__name__ = method
+    return handler
+
+
 def add_service(server: grpc.aio.Server, pb2: Any, service_name: str, servicer: Any) -> None:
     """Registers ``servicer``'s methods for ``service_name`` of the generated module ``pb2``
-    (unary-unary methods, which is all the kvstore contract has)."""
+    (unary-unary, or unary-stream as in gRPC health's ``Watch``)."""
     desc = pb2.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for m in desc.methods:
         req_cls = getattr(pb2, m.input_type.name, None) or _message_class(m.input_type)
         resp_cls = getattr(pb2, m.output_type.name, None) or _message_class(m.output_type)
         fn = getattr(servicer, m.name)
-        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-            _wrap(desc.full_name, m.name, fn),
+        if m.client_streaming:
+            raise ValueError(f"{desc.full_name}.{m.name}: client-streaming methods are not supported")
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        wrap = _wrap_stream if m.server_streaming else _wrap
+        handlers[m.name] = make(
+            wrap(desc.full_name, m.name, fn),
             request_deserializer=_deserializer(req_cls),
             response_serializer=resp_cls.SerializeToString,
         )

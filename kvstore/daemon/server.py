@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from kvstore.config import DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena
@@ -288,7 +288,7 @@ class CacheDaemon:
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         add_service(self._server, daemon_pb2, "DaemonControl", _Control(self))
         hs = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(hs, self._server)
+        add_service(self._server, health_pb2, "Health", hs)
         self.control_port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.control_port}")
         await self._server.start()
         await hs.set("", health_pb2.HealthCheckResponse.SERVING)

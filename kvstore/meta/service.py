@@ -15,7 +15,7 @@ import math
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from kvstore.config import MetaConfig
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
@@ -254,7 +254,7 @@ class MetaServer:
             self.server, meta_pb2, "MetaService", MetaServicer(self.index, self.link, self.cfg.allow_clock_skew)
         )
         hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(hs, self.server)
+        add_service(self.server, health_pb2, "Health", hs)
         self.port = self.server.add_insecure_port(self.cfg.listen)
         if self.port == 0:
             raise OSError(f"metadata service cannot listen on {self.cfg.listen}")
