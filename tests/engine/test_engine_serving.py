@@ -59,9 +59,11 @@ def reference():
 
 @pytest.fixture(scope="module")
 def disagg():
-    # No local prefix caches: every reuse has to come through the store.
+    # No local prefix caches: every reuse has to come through the store. Loads always: with the
+    # tiny model, recomputing a few blocks can be estimated cheaper than loading them on a busy
+    # machine, and these tests are about the store path (the cost model has its own tests).
     spec = DeploymentSpec(model="tiny", prefill=2, decode=2, store="embedded", prefix_cache=False,
-                          router=RouterConfig(routing="round_robin"))  # fmt: skip
+                          load_policy="always", router=RouterConfig(routing="round_robin"))  # fmt: skip
     r = Running(spec)
     yield r
     r.close()
