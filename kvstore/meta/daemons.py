@@ -157,12 +157,22 @@ class DaemonLink:
 
     # ---- tombstones -------------------------------------------------------------------------
 
-    async def flush(self, taken: dict[str, list[Tombstone]] | None = None) -> set[str]:
-        """Delivers tombstones (``taken``, default: all pending for live daemons) and waits
-        for the daemons to apply them. Returns the daemons that did not; their tombstones are
-        kept for their heartbeats."""
-        if taken is None:
-            taken = self.index.take_tombstones()
+    def mark(self) -> dict[str, int]:
+        """How many tombstones each daemon has pending now (see :meth:`flush`'s ``since``)."""
+        return {d: len(v) for d, v in self.index.tombstones.items()}
+
+    async def flush(self, since: dict[str, int] | None = None) -> set[str]:
+        """Delivers pending tombstones and waits for the daemons to apply them. With ``since``
+        (a :meth:`mark` taken before an index call), only the daemons that call gave new
+        tombstones are contacted, so that one unreachable daemon does not hold up calls that
+        never touched it (the background rounds retry it). Returns the daemons that did not
+        apply theirs; those are kept for the next round and the daemon's heartbeats."""
+        ids = None
+        if since is not None:
+            ids = [d for d, v in self.index.tombstones.items() if len(v) > since.get(d, 0)]
+            if not ids:
+                return set()
+        taken = self.index.take_tombstones(ids)
         if not taken:
             return set()
         results = await asyncio.gather(*(self._invalidate(did, items) for did, items in taken.items()))

@@ -107,6 +107,7 @@ class MetaServicer:
     async def PutStart(self, request, context):
         n = len(request.keys) // KEY_BYTES
         sizes = unpack(request.sizes, U64, "sizes", n if len(request.keys) % KEY_BYTES == 0 else None)
+        mark = self.link.mark()
         res = self.index.put_start(
             request.keys,
             sizes,
@@ -116,7 +117,7 @@ class MetaServicer:
         )
         # Space freed by eviction is handed out only once its old blocks are gone on their
         # daemons: a restarted service must not find an evicted block again.
-        await self.link.flush()
+        await self.link.flush(mark)
         return meta_pb2.PutStartResponse(
             put_id=res.put_id,
             status=pack(res.status, U8),
@@ -127,15 +128,17 @@ class MetaServicer:
     async def PutCommit(self, request, context):
         sums = unpack(request.checksums, U64, "checksums")
         written = _flags(request.written, "written") if request.written else None
-        pc = self.index.put_commit_begin(request.put_id, sums, written)
+        pc = self.index.put_commit_begin(request.put_id, sums, written)  # drops only unwritten blocks
         outcome = await self.link.commit(pc)
+        mark = self.link.mark()
         committed, status = self.index.put_commit_end(pc, outcome)
-        await self.link.flush()
+        await self.link.flush(mark)
         return meta_pb2.PutCommitResponse(committed=committed, status=pack(status, U8))
 
     async def PutAbort(self, request, context):
+        mark = self.link.mark()
         released = self.index.put_abort(request.put_id)
-        await self.link.flush()
+        await self.link.flush(mark)
         return meta_pb2.PutAbortResponse(released=released)
 
     def Lookup(self, request, context):
@@ -158,15 +161,15 @@ class MetaServicer:
         )
 
     async def Release(self, request, context):
+        mark = self.link.mark()
         self.index.release(request.lease_id, unpack(request.corrupt, U32, "corrupt"))
-        await self.link.flush()
+        await self.link.flush(mark)
         return meta_pb2.ReleaseResponse(released=True)
 
     async def Remove(self, request, context):
-        before = {d: len(v) for d, v in self.index.tombstones.items()}
+        mark = self.link.mark()
         n = self.index.remove(request.keys)
-        touched = {d for d, v in self.index.tombstones.items() if len(v) > before.get(d, 0)}
-        failed = await self.link.flush() & touched
+        failed = await self.link.flush(mark)
         if failed:
             raise Unavailable(
                 f"{n} blocks left the index, but daemon(s) {', '.join(sorted(failed))} did not confirm dropping "

@@ -432,3 +432,45 @@ def test_full_file_system_is_resource_exhausted_and_shutdown_is_clean(cluster, s
     assert child.proc.returncode == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "Traceback" not in text, text[-3000:]
+
+
+# ---- an unreachable daemon: removal fails loudly, is delivered later, stalls nobody else ----------
+
+
+def test_removal_on_a_stalled_daemon_is_unavailable_then_delivered_by_heartbeat(cluster):
+    """A daemon that stops answering (SIGSTOP; its lease is long, so it stays in the index):
+    removing its blocks answers UNAVAILABLE instead of a false OK; puts that do not touch it
+    are not held up by its pending tombstones; once it answers again its heartbeat takes them,
+    and a service restart then does not bring the removed blocks back."""
+    import signal
+
+    listen = f"127.0.0.1:{_free_port()}"
+    sets = ("meta.daemon_ttl_s=60", "meta.daemon_rpc_timeout_s=3")
+    meta = cluster.start_meta(*sets, listen=listen)
+    slow = cluster.start_daemon(dram="32MiB")
+    victim = chain(6, 4000)
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.put(victim, [block(k) for k in victim]).stored == 6  # the only daemon: lands there
+    cluster.start_daemon(dram="256MiB")  # more free space: later puts go here
+    slow.p.send_signal(signal.SIGSTOP)
+    try:
+        with SyncKVStoreClient(cluster.meta_addr) as c:
+            with pytest.raises(Unavailable, match="did not confirm"):
+                c.remove(victim)
+            assert c.lookup(victim) == 0  # gone from the index at once
+            other = chain(4, 5000)
+            t = time.monotonic()
+            assert c.put(other, [block(k) for k in other]).stored == 4
+            assert time.monotonic() - t < 2.5, "a put that never touched the stalled daemon waited for it"
+    finally:
+        slow.p.send_signal(signal.SIGCONT)
+    # Its next heartbeats carry the tombstones until it acknowledges them.
+    from test_faults import _header_cleared
+
+    wait_until(lambda: all(_header_cleared(cluster, k) for k in victim), timeout=20)
+    restart_meta(cluster, meta, listen, *sets)
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        wait_until(lambda: c.lookup(other) == 4)
+        wait_until(lambda: len(c.stats().daemons) == 2)
+        assert c.exists(victim) == [False] * 6
+        assert served(cluster.meta_addr, other, 0, "tcp") == 4
