@@ -217,6 +217,13 @@ class DaemonLink:
             cur = self._inflight[daemon_id] = (next(self._batches), items)
         return cur
 
+    def requeue(self, daemon_id: str) -> None:
+        """Puts a daemon's unacknowledged heartbeat batch back with its pending tombstones (it is
+        registering again: its inventory must be filtered by them, and they go out again)."""
+        cur = self._inflight.pop(daemon_id, None)
+        if cur is not None:
+            self.index.return_tombstones(daemon_id, cur[1])
+
     # ---- tier moves -------------------------------------------------------------------------
 
     async def run_moves(self, plans: dict[str, list[Move]]) -> None:

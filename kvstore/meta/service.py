@@ -87,6 +87,7 @@ class MetaServicer:
             inventory.setdefault(inv.segment_id, []).extend(
                 InventoryItem(k, o, ln, c, sz, g) for g, k, o, ln, c, sz in items
             )
+        self.link.requeue(spec.daemon_id)  # tombstones it may not have applied filter its inventory
         rejected = self.index.register_daemon(spec, inventory)
         adopted = sum(len(v) for v in inventory.values()) - rejected
         log.info("event=daemon_registered daemon=%s blocks=%d rejected=%d", spec.daemon_id, adopted, rejected)

@@ -1,0 +1,46 @@
+"""Unit tests of the service's tombstone delivery bookkeeping (kvstore.meta.daemons.DaemonLink)
+that need no daemon: heartbeat batches until acknowledged, and a re-registering daemon's
+inventory filtered by the batch it may not have applied."""
+
+from __future__ import annotations
+
+from test_index import BLK, SEG, dspec, k, make, pk, put
+
+from kvstore.meta.daemons import DaemonLink
+from kvstore.meta.index import InventoryItem
+
+
+def test_heartbeat_batch_is_resent_until_acknowledged_then_the_next_one_goes():
+    idx, _ = make()
+    link = DaemonLink(idx)
+    put(idx, 0, 1)
+    rep0 = idx.entries[k(0)].replica
+    idx.remove(pk(0))
+    batch, items = link.heartbeat_batch("d1", 0)
+    assert batch and [(t.key, t.offset, t.gen) for t in items] == [(k(0), rep0.offset, rep0.gen)]
+    assert link.heartbeat_batch("d1", 0) == (batch, items)  # not acknowledged: sent again
+    idx.remove(pk(1))
+    assert link.heartbeat_batch("d1", batch - 1) == (batch, items)  # a stale ack changes nothing
+    nxt, items2 = link.heartbeat_batch("d1", batch)  # acknowledged: the next batch
+    assert nxt != batch and [t.key for t in items2] == [k(1)]
+    assert link.heartbeat_batch("d1", nxt) == (0, [])
+
+
+def test_reregistration_is_filtered_by_the_unacknowledged_batch():
+    """The daemon got the batch with a heartbeat but restarted before applying it: its
+    inventory still lists the removed block, which must not come back."""
+    idx, _ = make()
+    link = DaemonLink(idx)
+    put(idx, 0)
+    rep = idx.entries[k(0)].replica
+    item = InventoryItem(k(0), rep.offset, BLK, rep.checksum, 0, rep.gen)
+    idx.remove(pk(0))
+    batch, items = link.heartbeat_batch("d1", 0)
+    assert items and not idx.tombstones.get("d1")
+    link.requeue("d1")  # what the RegisterDaemon handler does first
+    assert idx.register_daemon(dspec(), {SEG: [item]}) == 1  # refused
+    assert k(0) not in idx.entries
+    # The tombstone goes out again (a fresh batch), until the daemon applies it.
+    batch2, again = link.heartbeat_batch("d1", batch)
+    assert batch2 and [t.key for t in again] == [k(0)]
+    idx.check_integrity()
