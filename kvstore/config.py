@@ -7,6 +7,7 @@ Unknown keys are refused by name. Sizes accept suffixes: ``512MiB``, ``2GiB``, `
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -193,7 +194,58 @@ def load_config(
         if not sep or not dot:
             raise InvalidArgument(f"override {item!r}: expected section.key=value")
         _apply(cfg, section, key, value, f"override {item!r}")
+    validate(cfg)
     return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks ranges and relations between keys. Raises InvalidArgument naming the key."""
+
+    def positive(section: str, key: str, allow_zero: bool = False) -> None:
+        v = getattr(getattr(cfg, section), key)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise InvalidArgument(f"{section}.{key}: must be a finite number, got {v}")
+        if v < 0 or (v == 0 and not allow_zero):
+            raise InvalidArgument(f"{section}.{key}: must be {'>= 0' if allow_zero else 'positive'}, got {v}")
+
+    def one_of(section: str, key: str, choices: tuple[str, ...]) -> None:
+        v = getattr(getattr(cfg, section), key)
+        if v not in choices:
+            raise InvalidArgument(f"{section}.{key}: must be one of {', '.join(choices)}, got {v!r}")
+
+    m, d = cfg.meta, cfg.daemon
+    for key in ("max_batch_keys", "max_block_bytes", "put_timeout_s", "lease_ttl_s", "daemon_ttl_s",
+                "heartbeat_interval_s", "sweep_interval_s", "tier_interval_s", "move_batch_bytes",
+                "daemon_rpc_timeout_s"):  # fmt: skip
+        positive("meta", key)
+    if m.heartbeat_interval_s >= m.daemon_ttl_s:
+        raise InvalidArgument(
+            f"meta.heartbeat_interval_s ({m.heartbeat_interval_s}) must be below meta.daemon_ttl_s "
+            f"({m.daemon_ttl_s}): a daemon must heartbeat before its lease lapses"
+        )
+    for key in ("dram_high_watermark", "dram_low_watermark"):
+        v = getattr(m, key)
+        if not (math.isfinite(v) and 0 <= v <= 1):
+            raise InvalidArgument(f"meta.{key}: must be a fraction in [0, 1], got {v}")
+    if m.dram_low_watermark >= m.dram_high_watermark:
+        raise InvalidArgument(
+            f"meta.dram_low_watermark ({m.dram_low_watermark}) must be below meta.dram_high_watermark "
+            f"({m.dram_high_watermark})"
+        )
+    positive("daemon", "dram_bytes")
+    positive("daemon", "ssd_bytes", allow_zero=True)
+    for key in ("data_port", "control_port"):
+        v = getattr(d, key)
+        if not 0 <= v <= 65535:
+            raise InvalidArgument(f"daemon.{key}: must be a port number in [0, 65535], got {v}")
+    one_of("daemon", "ssd_durability", ("fast", "durable"))
+    one_of("daemon", "ssd_compress", ("auto", "off"))
+    one_of("client", "transport", ("auto", "shm", "tcp"))
+    for key in ("put_timeout_s", "lease_ttl_s", "retries"):
+        positive("client", key, allow_zero=True)
+    for key in ("rpc_timeout_s", "io_timeout_s", "io_threads"):
+        positive("client", key)
+    one_of("log", "level", ("debug", "info", "warning", "error", "critical"))
 
 
 def default_host_id() -> str:

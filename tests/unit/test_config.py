@@ -162,14 +162,14 @@ def test_env_vars_several_sections_and_types():
         env={
             "KVSTORE_META__LISTEN": "10.0.0.1:1",
             "KVSTORE_META__ALLOW_CLOCK_SKEW": "yes",
-            "KVSTORE_META__DAEMON_TTL_S": "0.25",
+            "KVSTORE_META__DAEMON_TTL_S": "2.5",
             "KVSTORE_CLIENT__RETRIES": "7",
             "KVSTORE_LOG__LEVEL": "error",
         }
     )
     assert cfg.meta.listen == "10.0.0.1:1"
     assert cfg.meta.allow_clock_skew is True
-    assert cfg.meta.daemon_ttl_s == 0.25
+    assert cfg.meta.daemon_ttl_s == 2.5
     assert cfg.client.retries == 7
     assert cfg.log.level == "error"
 
@@ -293,10 +293,55 @@ def test_every_field_is_settable_by_override():
         (LogConfig, "log"),
     ):
         for f in dataclasses.fields(section_cls):
-            value = {"int": "3", "float": "1.5", "bool": "true", "str": "v"}[f.type]
+            # Keys with a range or a set of choices get a value inside it.
+            value, want = SPECIAL.get(
+                f"{section}.{f.name}",
+                {"int": ("3", 3), "float": ("1.5", 1.5), "bool": ("true", True), "str": ("v", "v")}[f.type],
+            )
             cfg = load_config(overrides=[f"{section}.{f.name}={value}"], env={})
             got = getattr(getattr(cfg, section), f.name)
-            assert got == {"int": 3, "float": 1.5, "bool": True, "str": "v"}[f.type], (section, f.name)
+            assert got == want, (section, f.name)
+
+
+SPECIAL = {
+    "meta.dram_high_watermark": ("0.95", 0.95),
+    "meta.dram_low_watermark": ("0.15", 0.15),
+    "daemon.ssd_durability": ("durable", "durable"),
+    "daemon.ssd_compress": ("off", "off"),
+    "client.transport": ("tcp", "tcp"),
+    "log.level": ("debug", "debug"),
+}
+
+
+@pytest.mark.parametrize(
+    ("items", "match"),
+    [
+        (
+            ["meta.heartbeat_interval_s=5", "meta.daemon_ttl_s=3"],
+            "meta.heartbeat_interval_s .* must be below meta.daemon_ttl_s",
+        ),
+        (
+            ["meta.dram_low_watermark=0.9", "meta.dram_high_watermark=0.8"],
+            "meta.dram_low_watermark .* must be below meta.dram_high_watermark",
+        ),
+        (["meta.dram_high_watermark=1.5"], "meta.dram_high_watermark: must be a fraction"),
+        (["meta.dram_low_watermark=nan"], "meta.dram_low_watermark: must be a fraction"),
+        (["meta.lease_ttl_s=0"], "meta.lease_ttl_s: must be positive"),
+        (["meta.put_timeout_s=inf"], "meta.put_timeout_s: must be a finite number"),
+        (["meta.max_batch_keys=-1"], "meta.max_batch_keys: must be positive"),
+        (["meta.daemon_rpc_timeout_s=-2"], "meta.daemon_rpc_timeout_s: must be positive"),
+        (["daemon.dram_bytes=0"], "daemon.dram_bytes: must be positive"),
+        (["daemon.data_port=70000"], "daemon.data_port: must be a port number"),
+        (["daemon.ssd_durability=sometimes"], "daemon.ssd_durability: must be one of fast, durable"),
+        (["client.transport=carrier-pigeon"], "client.transport: must be one of auto, shm, tcp"),
+        (["client.io_threads=0"], "client.io_threads: must be positive"),
+        (["client.retries=-1"], "client.retries: must be >= 0"),
+        (["log.level=loud"], "log.level: must be one of"),
+    ],
+)
+def test_ranges_and_relations_are_checked_at_load_naming_the_key(items, match):
+    with pytest.raises(InvalidArgument, match=match):
+        load_config(overrides=items, env={})
 
 
 # ---- bad values ---------------------------------------------------------------------------------
