@@ -122,6 +122,7 @@ class CacheDaemon:
         self.registrations = 0
         self._acked_batch = 0
         self.stopping = False
+        self._health: health.aio.HealthServicer | None = None
 
     @staticmethod
     def _stable_id(data_dir: Path) -> str:
@@ -287,11 +288,12 @@ class CacheDaemon:
         self.dataport.start()
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         add_service(self._server, daemon_pb2, "DaemonControl", _Control(self))
-        hs = health.aio.HealthServicer()
+        hs = self._health = health.aio.HealthServicer()
         add_service(self._server, health_pb2, "Health", hs)
         self.control_port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.control_port}")
         await self._server.start()
-        await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        # NOT_SERVING until the metadata service knows this daemon (see _register).
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._channel = grpc.aio.insecure_channel(self.cfg.meta, options=GRPC_OPTIONS)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         log.info(
@@ -299,6 +301,11 @@ class CacheDaemon:
             self.daemon_id, self.dataport.port, self.control_port, self.dram.size, self.dram.reattached,
         )  # fmt: skip
         self._hb_task = asyncio.create_task(self._heartbeat_loop())
+
+    async def _set_health(self, status: int) -> None:
+        if self._health is not None:
+            for name in ("", "kvstore.v1.DaemonControl"):
+                await self._health.set(name, status)
 
     async def _register(self) -> float:
         assert self._stub is not None
@@ -316,6 +323,7 @@ class CacheDaemon:
             resp.rejected,
         )
         self.registered.set()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         return max(resp.heartbeat_interval_ms / 1000.0, 0.01)
 
     async def _heartbeat_loop(self) -> None:
@@ -348,6 +356,10 @@ class CacheDaemon:
     async def stop(self) -> None:
         """Stops every part, each even if another failed (and logs what failed)."""
         self.stopping = True
+        try:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        except Exception:  # noqa: BLE001
+            log.exception("event=stop_failed part=health")
         if self._hb_task:
             self._hb_task.cancel()
 

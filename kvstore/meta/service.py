@@ -251,13 +251,14 @@ class MetaServer:
         # Held by each round of the background loops, so that a stop lets the round in
         # progress deliver its tombstones instead of cutting it off mid-way.
         self._round = asyncio.Lock()
+        self._health: health.aio.HealthServicer | None = None
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
         add_service(
             self.server, meta_pb2, "MetaService", MetaServicer(self.index, self.link, self.cfg.allow_clock_skew)
         )
-        hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        hs = self._health = health.aio.HealthServicer()
         add_service(self.server, health_pb2, "Health", hs)
         self.port = self.server.add_insecure_port(self.cfg.listen)
         if self.port == 0:
@@ -301,8 +302,11 @@ class MetaServer:
                 log.exception("event=tier_loop_error")
 
     async def stop(self, grace: float = 0.5) -> None:
-        """Stops serving: the background round in progress finishes first (its tombstones
-        reach the daemons), then the loops end and the server stops."""
+        """Stops serving: health turns NOT_SERVING, the background round in progress finishes
+        first (its tombstones reach the daemons), then the loops end and the server stops."""
+        if self._health is not None:
+            for name in ("", "kvstore.v1.MetaService"):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         async with self._round:
             for task in (self._tierer, self._sweeper):
                 if task:
