@@ -26,6 +26,13 @@ from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.rpc")
 
+# Options of every kvstore gRPC server and channel.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.so_reuseport", 0),
+]
+
 
 class BadRequest:
     """What the safe deserializer returns for a body that does not parse."""
@@ -49,12 +56,19 @@ def _deserializer(cls: type) -> Any:
 
 
 def _wrap(service: str, method: str, fn: Any) -> Any:
+    """The handler for one method: a unary method returns ``fn``'s result; a server-streaming one
+    writes what an async-generator ``fn`` yields (or lets ``fn`` write to the context)."""
+
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, BadRequest):
             log.info("rpc=%s error=InvalidArgument reason=%r", method, request.reason)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         try:
             result = fn(request, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    await context.write(item)
+                return None
             if inspect.isawaitable(result):
                 result = await result
             return result
@@ -64,30 +78,6 @@ def _wrap(service: str, method: str, fn: Any) -> Any:
             log.info("rpc=%s error=%s reason=%r", method, type(e).__name__, e.message)
             await context.abort(e.code, e.message)
         except Exception as e:  # noqa: BLE001 - a bug: INTERNAL with its cause, never UNKNOWN
-            log.exception("rpc=%s.%s error=internal", service, method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
-
-    handler.__name__ = method
-    return handler
-
-
-def _wrap_stream(service: str, method: str, fn: Any) -> Any:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
-        if isinstance(request, BadRequest):
-            log.info("rpc=%s error=InvalidArgument reason=%r", method, request.reason)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        try:
-            result = fn(request, context)
-            if inspect.isasyncgen(result):
-                async for item in result:
-                    await context.write(item)
-            elif inspect.isawaitable(result):
-                await result
-        except grpc.aio.AbortError:
-            raise
-        except KVStoreError as e:
-            await context.abort(e.code, e.message)
-        except Exception as e:  # noqa: BLE001
             log.exception("rpc=%s.%s error=internal", service, method)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
 
@@ -107,9 +97,8 @@ def add_service(server: grpc.aio.Server, pb2: Any, service_name: str, servicer: 
         if m.client_streaming:
             raise ValueError(f"{desc.full_name}.{m.name}: client-streaming methods are not supported")
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-        wrap = _wrap_stream if m.server_streaming else _wrap
         handlers[m.name] = make(
-            wrap(desc.full_name, m.name, fn),
+            _wrap(desc.full_name, m.name, fn),
             request_deserializer=_deserializer(req_cls),
             response_serializer=resp_cls.SerializeToString,
         )

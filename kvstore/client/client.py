@@ -28,10 +28,10 @@ from kvstore.config import ClientConfig, default_host_id
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, from_rpc_error
 from kvstore.extent import checksum
 from kvstore.keys import KEY_BYTES, pack_keys
-from kvstore.meta.service import GRPC_OPTIONS
+from kvstore.rpc import GRPC_OPTIONS
 from kvstore.transport.shm import ShmTransport
 from kvstore.transport.tcp import TcpTransport
-from kvstore.v1 import meta_pb2, meta_pb2_grpc
+from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
 from kvstore.wire import U8, U32, U64, Placement, locations_from_pb, pack, unpack
 
 log = logging.getLogger("kvstore.client")
@@ -39,9 +39,6 @@ log = logging.getLogger("kvstore.client")
 # Copies larger than this run in a worker thread so the event loop stays responsive, and are
 # split over ``client.io_threads`` threads (memcpy and xxh3 release the GIL).
 _INLINE_COPY_BYTES = 8 << 20
-
-# CommitStatus (common.proto)
-_COMMIT_OK, _COMMIT_NOT_WRITTEN, _COMMIT_MISMATCH, _COMMIT_NO_SPACE, _COMMIT_UNAVAILABLE = range(5)
 
 
 class PutResult(NamedTuple):
@@ -219,26 +216,22 @@ class KVStoreClient:
 
     def _abort(self, put_id: int) -> None:
         """Gives a put's reservation back without waiting for the answer."""
-
-        async def go() -> None:
-            try:
-                await self._stub.PutAbort(meta_pb2.PutAbortRequest(put_id=put_id), timeout=self.cfg.rpc_timeout_s)
-            except grpc.aio.AioRpcError as e:
-                log.info("event=abort_failed put=%d code=%s", put_id, e.code().name)
-
-        task = asyncio.get_running_loop().create_task(go())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._background(self._stub.PutAbort, meta_pb2.PutAbortRequest(put_id=put_id), f"abort_failed put={put_id}")
 
     def _release(self, lease_id: int, corrupt: list[int]) -> None:
         """Ends a lease without waiting for the answer (the lease would lapse anyway)."""
         req = meta_pb2.ReleaseRequest(lease_id=lease_id, corrupt=pack(corrupt, U32))
+        self._background(self._stub.Release, req, f"release_failed lease={lease_id}")
+
+    def _background(self, method, request, event: str) -> None:  # noqa: ANN001
+        """Sends one RPC without waiting for its answer (``close`` waits for it); a failure is
+        logged as ``event``."""
 
         async def go() -> None:
             try:
-                await self._stub.Release(req, timeout=self.cfg.rpc_timeout_s)
+                await method(request, timeout=self.cfg.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
-                log.info("event=release_failed lease=%d code=%s", lease_id, e.code().name)
+                log.info("event=%s code=%s", event, e.code().name)
 
         task = asyncio.get_running_loop().create_task(go())
         self._pending.add(task)
@@ -313,15 +306,15 @@ class KVStoreClient:
             )
             stored += commit.committed
             outcome = unpack(commit.status, U8, "status", len(alloc)) if commit.status else [0] * len(alloc)
-            no_space += sum(1 for st in outcome if st == _COMMIT_NO_SPACE)
-            rejected += sum(1 for st in outcome if st == _COMMIT_NO_SPACE)
+            full = outcome.count(common_pb2.COMMIT_NO_SPACE)
+            no_space += full
+            rejected += full
             # Not written, or its daemon could not commit it: try again on another daemon.
-            todo = [i for i, st in zip(alloc, outcome) if st not in (_COMMIT_OK, _COMMIT_NO_SPACE)]
+            todo = [i for i, st in zip(alloc, outcome) if st not in (common_pb2.COMMIT_OK, common_pb2.COMMIT_NO_SPACE)]
             if not todo:
                 break
-            failed += [
-                p.daemon.daemon_id for p, st in zip(places, outcome) if st in (_COMMIT_MISMATCH, _COMMIT_UNAVAILABLE)
-            ]
+            lost = (common_pb2.COMMIT_MISMATCH, common_pb2.COMMIT_UNAVAILABLE)
+            failed += [p.daemon.daemon_id for p, st in zip(places, outcome) if st in lost]
             excluded.extend(d for d in dict.fromkeys(failed) if d not in excluded)
             log.info("event=put_retry blocks=%d excluded=%s", len(todo), ",".join(excluded))
         else:

@@ -31,8 +31,7 @@ from kvstore.daemon.ssd import SsdSegment
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.extent import HEADER_SIZE, Sealer, checksum, extent_size, scan
 from kvstore.keys import KEY_BYTES, unpack_keys
-from kvstore.meta.service import GRPC_OPTIONS
-from kvstore.rpc import add_service
+from kvstore.rpc import GRPC_OPTIONS, add_service
 from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2, meta_pb2_grpc
 from kvstore.wire import U8, U32, U64, pack, unpack
 
@@ -40,10 +39,6 @@ log = logging.getLogger("kvstore.daemon")
 
 DRAM_SEGMENT = 1
 SSD_SEGMENT = 2
-
-
-# CommitStatus values (common.proto).
-COMMIT_OK, COMMIT_MISMATCH, COMMIT_NO_SPACE, COMMIT_UNAVAILABLE = 0, 2, 3, 4
 
 
 def _inventory(
@@ -113,6 +108,7 @@ class CacheDaemon:
             )
             self.segments[SSD_SEGMENT] = self.ssd
         self.dataport = DataPort(cfg.host, cfg.data_port, lambda: self.segments, self.sealer)
+        self.control = _Control(self)  # served over gRPC; called directly by an in-process service
         self.control_port = 0
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -247,21 +243,21 @@ class CacheDaemon:
         status, stored = [], []
         for key, seg_id, off, length, csum, gen in zip(keys, segs, offs, lens, sums, gens):
             seg = self.segments.get(seg_id)
-            st, size = COMMIT_MISMATCH, 0
+            st, size = common_pb2.COMMIT_MISMATCH, 0
             try:
                 if isinstance(seg, ShmArena):
                     if seg.commit(self.sealer, off, key, length, csum, gen):
-                        st, size = COMMIT_OK, extent_size(length)
+                        st, size = common_pb2.COMMIT_OK, extent_size(length)
                 elif isinstance(seg, SsdSegment):
                     b = seg.commit(off, key, gen)
                     if b is not None and b.checksum == csum and b.length == length:
-                        st, size = COMMIT_OK, b.size
+                        st, size = common_pb2.COMMIT_OK, b.size
             except ResourceExhausted as e:
                 log.warning("event=commit_no_space key=%s reason=%r", key.hex(), e.message)
-                st = COMMIT_NO_SPACE
+                st = common_pb2.COMMIT_NO_SPACE
             except OSError as e:
                 log.warning("event=commit_failed key=%s reason=%r", key.hex(), str(e))
-                st = COMMIT_UNAVAILABLE
+                st = common_pb2.COMMIT_UNAVAILABLE
             status.append(st)
             stored.append(size)
         return daemon_pb2.CommitResponse(status=pack(status, U8), stored_size=pack(stored, U64))
@@ -287,7 +283,7 @@ class CacheDaemon:
         await asyncio.to_thread(self.recover)
         self.dataport.start()
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
-        add_service(self._server, daemon_pb2, "DaemonControl", _Control(self))
+        add_service(self._server, daemon_pb2, "DaemonControl", self.control)
         hs = self._health = health.aio.HealthServicer()
         add_service(self._server, health_pb2, "Health", hs)
         self.control_port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.control_port}")

@@ -28,15 +28,11 @@ import grpc
 
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.meta.index import CommitStatus, Index, Move, PendingCommit, Replica, Tombstone
+from kvstore.rpc import GRPC_OPTIONS
 from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 from kvstore.wire import U8, U32, U64, pack, unpack
 
 log = logging.getLogger("kvstore.meta")
-
-_CLIENT_OPTIONS = [
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.max_receive_message_length", 256 << 20),
-]
 
 
 def invalidations_pb(items: Iterable[Tombstone]) -> list[common_pb2.Invalidation]:
@@ -55,27 +51,21 @@ def invalidations_pb(items: Iterable[Tombstone]) -> list[common_pb2.Invalidation
 
 
 class _LocalDaemon:
-    """The control API of a daemon in this process, with the stub's call shape."""
+    """A daemon in this process, called through its own control servicer with the stub's call
+    shape (``await local.Commit(request, timeout=...)``)."""
 
-    def __init__(self, daemon) -> None:  # noqa: ANN001
+    def __init__(self, daemon) -> None:  # noqa: ANN001 - kvstore.daemon.server.CacheDaemon
         self.d = daemon
 
-    def _check(self) -> None:
-        if self.d.stopping:
-            raise Unavailable(f"daemon {self.d.daemon_id} is stopping")
+    def __getattr__(self, method: str):  # noqa: ANN204
+        handler = getattr(self.d.control, method)
 
-    async def Commit(self, req, timeout=None):  # noqa: ANN001, ANN201, N802
-        self._check()
-        return await self.d.run(self.d.commit, req)
+        async def call(request, timeout=None):  # noqa: ANN001, ANN202
+            if self.d.stopping:
+                raise Unavailable(f"daemon {self.d.daemon_id} is stopping")
+            return await handler(request, None)
 
-    async def Invalidate(self, req, timeout=None):  # noqa: ANN001, ANN201, N802
-        self._check()
-        cleared = await self.d.run(self.d.invalidate, req.invalidations)
-        return daemon_pb2.InvalidateResponse(cleared=cleared)
-
-    async def Move(self, req, timeout=None):  # noqa: ANN001, ANN201, N802
-        self._check()
-        return await asyncio.to_thread(self.d.move, req)
+        return call
 
 
 class DaemonLink:
@@ -110,7 +100,7 @@ class DaemonLink:
         if cached is None or cached[0] != addr:
             if cached is not None:
                 asyncio.ensure_future(cached[1].close())
-            ch = grpc.aio.insecure_channel(addr, options=_CLIENT_OPTIONS)
+            ch = grpc.aio.insecure_channel(addr, options=GRPC_OPTIONS)
             cached = self._stubs[daemon_id] = (addr, ch, daemon_pb2_grpc.DaemonControlStub(ch))
         return cached[2]
 

@@ -30,17 +30,11 @@ from kvstore.meta.index import (
     SegmentSpec,
     Tier,
 )
-from kvstore.rpc import add_service
+from kvstore.rpc import GRPC_OPTIONS, add_service
 from kvstore.v1 import common_pb2, meta_pb2
 from kvstore.wire import U8, U32, U64, daemon_to_pb, locations_to_pb, pack, unpack
 
 log = logging.getLogger("kvstore.meta")
-
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.so_reuseport", 0),
-]
 
 _TIERS = {int(t) for t in Tier}
 
@@ -265,9 +259,7 @@ class MetaServer:
             raise OSError(f"metadata service cannot listen on {self.cfg.listen}")
         await self.server.start()
         for name in ("", "kvstore.v1.MetaService"):
-            r = hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-            if asyncio.iscoroutine(r):
-                await r
+            await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep())
         self._tierer = asyncio.create_task(self._tier_loop())
         log.info("event=meta_started listen=%s port=%d", self.cfg.listen, self.port)
