@@ -5,10 +5,16 @@
     kvstore daemon --meta ADDR [--dram SIZE] [--data-dir D]       one cache daemon
     kvstore stat   [--meta ADDR] [--json]                         nodes, tiers, bytes, counters
     kvstore demo                                                  embedded store + prefix-reuse workload
+    kvstore bench  SUITE                                          the benchmark suite (from a checkout)
 
 Every command takes ``--config FILE`` and repeated ``--set section.key=value``; environment
 variables ``KVSTORE_<SECTION>__<KEY>`` apply in between. Servers print one line
 ``READY {json}`` on stdout once they accept requests (tests and scripts wait for it).
+SIGTERM or SIGINT stops a server: a daemon on its own drains first (see
+:meth:`kvstore.daemon.server.CacheDaemon.drain`).
+
+Other packages add commands through the ``kvstore.commands`` entry point group (the engine adds
+``kvstore engine`` and its ``kvstore demo``); this package imports none of them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvstore.config import Config, load_config
 from kvstore.errors import KVStoreError
@@ -29,6 +36,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with sections meta, daemon, client, log")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting")
     p.add_argument("--log-level", help="debug, info, warning, error")
+    p.add_argument("--log-format", choices=("text", "json"), help="text (key=value) or one JSON object per line")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,10 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", help="metadata service address (default 127.0.0.1:7100)")
     p.add_argument("--data-dir", help="folder for daemon state (default ./kvstore-data)")
     p.add_argument("--dram", help="DRAM segment size, e.g. 1GiB")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics of the service and its daemon (0 = any port)")
 
     p = sub.add_parser("meta", help="the metadata service alone")
     _common(p)
     p.add_argument("--listen", help="address to listen on (default 127.0.0.1:7100)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any port)")
 
     p = sub.add_parser("daemon", help="one cache daemon, registering with a metadata service")
     _common(p)
@@ -51,20 +61,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="folder for daemon state")
     p.add_argument("--dram", help="DRAM segment size, e.g. 1GiB")
     p.add_argument("--host", help="address to bind and advertise")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any port)")
 
     p = sub.add_parser("stat", help="a table of nodes, tiers, bytes, blocks and hit counters")
     _common(p)
     p.add_argument("--meta", help="metadata service address")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    p = sub.add_parser("engine", help="the inference engine: router + prefill/decode workers (+ an embedded store)")
-    _common(p)
-    try:
-        from engine.serve import add_arguments
-    except ImportError:  # torch / aiohttp not installed: the store still works
-        p.add_argument("args", nargs=argparse.REMAINDER)
-    else:
-        add_arguments(p)
+    for name, plugin in _plugins().items():
+        if hasattr(plugin, "add_arguments"):
+            p = sub.add_parser(name, help=plugin.help)
+            _common(p)
+            plugin.add_arguments(p)
 
     p = sub.add_parser("bench", help="the benchmark suite: JSON in bench/results, bench/RESULTS.md, PNG plots")
     p.add_argument("suite", choices=sorted(BENCH_SUITES), help="policy, store, engine, gpu or all")
@@ -79,6 +87,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--store-only", action="store_true", help="the store with a NumPy stand-in model (no torch)")
     return ap
+
+
+def _plugins() -> dict[str, Any]:
+    """Commands installed packages add (entry point group ``kvstore.commands``); one that fails
+    to load (its extra is not installed) is left out."""
+    from importlib.metadata import entry_points
+
+    out = {}
+    for ep in entry_points(group="kvstore.commands"):
+        try:
+            out[ep.name] = ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not break the store's CLI
+            logging.getLogger("kvstore.cli").debug("event=plugin_unavailable name=%s reason=%r", ep.name, str(e))
+    return out
 
 
 BENCH_SUITES = {
@@ -98,7 +120,11 @@ def _bench(suite: str, quick: bool) -> int:
 
     root = Path(__file__).resolve().parent.parent
     if not (root / "bench").is_dir():
-        print("kvstore bench: the bench/ folder is not next to this installation (run from a clone)", file=sys.stderr)
+        print(
+            "kvstore bench: the benchmark suite runs from a checkout of the repository (its bench/ folder is not "
+            f"next to this installation at {root}); clone it, run scripts/setup.sh, then `kvstore bench`",
+            file=sys.stderr,
+        )
         return 2
     failed = []
     for script in BENCH_SUITES[suite]:
@@ -120,9 +146,10 @@ def _config(ns: argparse.Namespace) -> Config:
         ("data_dir", "daemon.data_dir"),
         ("dram", "daemon.dram_bytes"),
         ("host", "daemon.host"),
+        ("metrics_port", "meta.metrics_port" if ns.cmd in ("serve", "meta") else "daemon.metrics_port"),
     ):
         v = getattr(ns, attr, None)
-        if v:
+        if v or (attr == "metrics_port" and v is not None):
             overrides.append(f"{key}={v}")
     if getattr(ns, "meta", None):
         overrides += [f"daemon.meta={ns.meta}", f"client.meta={ns.meta}"]
@@ -131,6 +158,8 @@ def _config(ns: argparse.Namespace) -> Config:
     cfg = load_config(ns.config, overrides)
     if ns.log_level:
         cfg.log.level = ns.log_level
+    if getattr(ns, "log_format", None):
+        cfg.log.format = ns.log_format
     return cfg
 
 
@@ -138,12 +167,14 @@ def _ready(**info: object) -> None:
     print("READY " + json.dumps(info), flush=True)
 
 
-async def _until_signal() -> None:
+async def _until_signal() -> str:
     stop = asyncio.Event()
+    got: list[str] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda s=sig: (got.append(s.name), stop.set()))
     await stop.wait()
+    return got[0]
 
 
 async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
@@ -158,10 +189,14 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
             port = await meta.start()
             host = cfg.meta.listen.rpartition(":")[0] or "127.0.0.1"
             info["meta"] = f"{host}:{port}"
+            if meta.metrics.port:
+                info["metrics_port"] = meta.metrics.port
             if with_daemon:
                 cfg.daemon.meta = str(info["meta"])
         if with_daemon:
-            daemon = CacheDaemon(cfg.daemon)
+            if meta is not None:  # one process: one /metrics for both, the service's
+                cfg.daemon.metrics_port = -1
+            daemon = CacheDaemon(cfg.daemon, registry=meta.registry if meta is not None else None)
             if meta is not None:  # one process: the service calls the daemon directly
                 meta.link.attach_local(daemon.daemon_id, daemon)
             await daemon.start()
@@ -172,8 +207,13 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
                 control_port=daemon.control_port,
                 shm_path=daemon.dram.path,
             )
+            if daemon.metrics.port:
+                info["metrics_port"] = daemon.metrics.port
         _ready(**info)
-        await _until_signal()
+        sig = await _until_signal()
+        logging.getLogger("kvstore.cli").info("event=signal name=%s", sig)
+        if daemon is not None and meta is None:
+            await daemon.drain()  # leaves the index now, serves reads already handed out
     finally:
         # The service first: its background rounds may still be calling the daemon.
         if meta:
@@ -230,11 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStoreError as e:
         print(f"kvstore: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=getattr(logging, cfg.log.level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    from kvstore.logs import setup
+
+    setup(cfg.log.level, cfg.log.format)
     try:
         if ns.cmd == "serve":
             asyncio.run(_serve(cfg, True, True))
@@ -246,17 +284,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _stat(cfg, ns.json)
         elif ns.cmd == "bench":
             return _bench(ns.suite, ns.quick)
-        elif ns.cmd == "engine":
-            try:
-                from engine.serve import main as engine_main
-            except ImportError as e:
-                print(f"kvstore engine needs the engine extra (torch, aiohttp): {e}", file=sys.stderr)
-                return 2
-            return engine_main(ns)
         elif ns.cmd == "demo":
-            from kvstore.demo import run_demo
+            plugin = None if ns.store_only else _plugins().get("demo")
+            rc = plugin.run(ns, cfg) if plugin is not None else None
+            if rc is not None:
+                return rc
+            from kvstore.demo import run_store_demo
 
-            return run_demo(cfg, sessions=ns.sessions, turns=ns.turns, seed=ns.seed, engine=not ns.store_only)
+            return run_store_demo(cfg, sessions=ns.sessions * 2, turns=ns.turns + 1, seed=ns.seed)
+        else:
+            return _plugins()[ns.cmd].run(ns, cfg)
     except KVStoreError as e:
         print(f"kvstore: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -40,6 +40,10 @@ class MetaConfig:
     move_batch_bytes: int = 64 << 20
     # Deadline of the service's calls to a daemon inside a client's call (commit, tombstones).
     daemon_rpc_timeout_s: float = 5.0
+    # Prometheus /metrics over HTTP: -1 = off, 0 = any free port (printed in the READY line).
+    # `kvstore serve` exposes the service's and its daemon's metrics on this one port.
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass
@@ -66,6 +70,12 @@ class DaemonConfig:
     ssd_compress: str = "auto"
     # On start, verify every recovered block's payload checksum (not only its header).
     ssd_verify_on_start: bool = True
+    # Prometheus /metrics over HTTP: -1 = off, 0 = any free port (printed in the READY line).
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
+    # SIGTERM: stop taking puts, leave the index, serve reads already handed out for at most
+    # this long (the service tells how long its leases on our blocks still run), then exit.
+    drain_timeout_s: float = 15.0
 
 
 @dataclass
@@ -86,6 +96,9 @@ class ClientConfig:
 @dataclass
 class LogConfig:
     level: str = "info"
+    # text: "time LEVEL logger event=... key=value"; json: one JSON object per line, the
+    # key=value pairs as fields (plus rpc, request and put/lease ids where there are).
+    format: str = "text"
 
 
 @dataclass
@@ -238,6 +251,11 @@ def validate(cfg: Config) -> None:
         v = getattr(d, key)
         if not 0 <= v <= 65535:
             raise InvalidArgument(f"daemon.{key}: must be a port number in [0, 65535], got {v}")
+    for section in ("meta", "daemon"):
+        v = getattr(cfg, section).metrics_port
+        if not -1 <= v <= 65535:
+            raise InvalidArgument(f"{section}.metrics_port: must be -1 (off), 0 (any) or a port number, got {v}")
+    positive("daemon", "drain_timeout_s", allow_zero=True)
     one_of("daemon", "ssd_durability", ("fast", "durable"))
     one_of("daemon", "ssd_compress", ("auto", "off"))
     one_of("client", "transport", ("auto", "shm", "tcp"))
@@ -246,6 +264,7 @@ def validate(cfg: Config) -> None:
     for key in ("rpc_timeout_s", "io_timeout_s", "io_threads"):
         positive("client", key)
     one_of("log", "level", ("debug", "info", "warning", "error", "critical"))
+    one_of("log", "format", ("text", "json"))
 
 
 def default_host_id() -> str:

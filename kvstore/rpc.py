@@ -9,20 +9,31 @@
 - whatever a handler raises becomes a status by cause: a :class:`~kvstore.errors.KVStoreError`
   its own code, anything else INTERNAL (logged with its traceback), never UNKNOWN.
 
+Every call is measured (latency histogram, errors by code: :mod:`kvstore.metrics`) and runs with
+its request context for the logs (:mod:`kvstore.logs`); a failed call logs one line with its
+cause.
+
 Handlers may be plain functions or coroutines; server-streaming methods (gRPC health's
 ``Watch``) may be async generators or coroutines that write to the context.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import itertools
 import logging
+import os
+import time
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from prometheus_client import CollectorRegistry
 
 from kvstore.errors import KVStoreError
+from kvstore.logs import request_context
+from kvstore.metrics import rpc_metrics
 
 log = logging.getLogger("kvstore.rpc")
 
@@ -55,39 +66,78 @@ def _deserializer(cls: type) -> Any:
     return parse
 
 
-def _wrap(service: str, method: str, fn: Any) -> Any:
+# Request ids: unique in the process (a pid prefix), cheap (a counter).
+_ids = itertools.count(1)
+_ID_PREFIX = f"{os.getpid():x}-"
+_CONTEXT_FIELDS = ("put_id", "lease_id", "daemon_id")
+
+
+def _context(method: str, request: Any) -> tuple[tuple[str, Any], ...]:
+    ctx: list[tuple[str, Any]] = [("rpc", method), ("request_id", _ID_PREFIX + format(next(_ids), "x"))]
+    for name in _CONTEXT_FIELDS:
+        v = getattr(request, name, None)
+        if v:
+            ctx.append((name, v))
+    return tuple(ctx)
+
+
+def _wrap(service: str, method: str, fn: Any, registry: CollectorRegistry | None) -> Any:
     """The handler for one method: a unary method returns ``fn``'s result; a server-streaming one
     writes what an async-generator ``fn`` yields (or lets ``fn`` write to the context)."""
+    if registry is not None:
+        duration, error = rpc_metrics(registry).method(service, method)
+        observe = duration.observe
+    else:
+        observe = error = None
 
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, BadRequest):
-            log.info("rpc=%s error=InvalidArgument reason=%r", method, request.reason)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        t0 = time.perf_counter()
+        token = request_context.set(_context(method, request))
+        code = "OK"
         try:
-            result = fn(request, context)
-            if inspect.isasyncgen(result):
-                async for item in result:
-                    await context.write(item)
-                return None
-            if inspect.isawaitable(result):
-                result = await result
-            return result
-        except grpc.aio.AbortError:
+            if isinstance(request, BadRequest):
+                code = "INVALID_ARGUMENT"
+                log.info("event=rpc_failed code=%s reason=%r", code, request.reason)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            try:
+                result = fn(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        await context.write(item)
+                    return None
+                if inspect.isawaitable(result):
+                    result = await result
+                return result
+            except grpc.aio.AbortError:
+                raise
+            except KVStoreError as e:
+                code = e.code.name
+                log.info("event=rpc_failed code=%s error=%s reason=%r", code, type(e).__name__, e.message)
+                await context.abort(e.code, e.message)
+            except Exception as e:  # noqa: BLE001 - a bug: INTERNAL with its cause, never UNKNOWN
+                code = "INTERNAL"
+                log.exception("event=rpc_failed code=INTERNAL service=%s", service)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
+        except asyncio.CancelledError:
+            code = "CANCELLED"
             raise
-        except KVStoreError as e:
-            log.info("rpc=%s error=%s reason=%r", method, type(e).__name__, e.message)
-            await context.abort(e.code, e.message)
-        except Exception as e:  # noqa: BLE001 - a bug: INTERNAL with its cause, never UNKNOWN
-            log.exception("rpc=%s.%s error=internal", service, method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
+        finally:
+            request_context.reset(token)
+            if observe is not None:
+                observe(time.perf_counter() - t0)
+                if code != "OK":
+                    error(code)
 
     handler.__name__ = method
     return handler
 
 
-def add_service(server: grpc.aio.Server, pb2: Any, service_name: str, servicer: Any) -> None:
+def add_service(
+    server: grpc.aio.Server, pb2: Any, service_name: str, servicer: Any, registry: CollectorRegistry | None = None
+) -> None:
     """Registers ``servicer``'s methods for ``service_name`` of the generated module ``pb2``
-    (unary-unary, or unary-stream as in gRPC health's ``Watch``)."""
+    (unary-unary, or unary-stream as in gRPC health's ``Watch``), measured into ``registry``
+    (long-lived streams such as ``Watch`` are counted by their errors only)."""
     desc = pb2.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for m in desc.methods:
@@ -98,11 +148,46 @@ def add_service(server: grpc.aio.Server, pb2: Any, service_name: str, servicer: 
             raise ValueError(f"{desc.full_name}.{m.name}: client-streaming methods are not supported")
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[m.name] = make(
-            _wrap(desc.full_name, m.name, fn),
+            _wrap(desc.full_name, m.name, fn, None if m.server_streaming else registry),
             request_deserializer=_deserializer(req_cls),
             response_serializer=resp_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+
+
+class ServerHealth:
+    """gRPC health of one server: its service names (and "") SERVING or NOT_SERVING together
+    (readiness), and ``kvstore.liveness`` SERVING from :meth:`start` to :meth:`stop` whatever
+    else happens (liveness: the process answers)."""
+
+    LIVENESS = "kvstore.liveness"
+
+    def __init__(self, service: str) -> None:
+        from grpc_health.v1 import health
+
+        self.servicer = health.aio.HealthServicer()
+        self.names = ("", service)
+        self.serving = False
+
+    async def set_serving(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.names:
+            await self.servicer.set(name, status)
+
+    async def start(self) -> None:
+        from grpc_health.v1 import health_pb2
+
+        await self.set_serving(False)
+        await self.servicer.set(self.LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self) -> None:
+        from grpc_health.v1 import health_pb2
+
+        await self.set_serving(False)
+        await self.servicer.set(self.LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def _message_class(descriptor: Any) -> type:

@@ -60,6 +60,7 @@ class DataPort:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.counters = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "bad_frames": 0}
+        self.active = 0  # requests being served (a drain waits for 0)
         self._local = threading.local()
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dataport-io")
         self._thread = threading.Thread(target=self._accept_loop, name="dataport-accept", daemon=True)
@@ -80,6 +81,10 @@ class DataPort:
                     c.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -117,12 +122,18 @@ class DataPort:
                     msg = str(e).encode()[:4096]
                     conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.BAD_FRAME, op & 0xFF, 0, req_id, 0, len(msg)) + msg)
                     return
-                if op == Op.READ:
-                    self._read(conn, op, req_id, entries, arenas)
-                elif op == Op.WRITE:
-                    self._write(conn, op, req_id, entries, arenas)
-                else:
-                    conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, 0, 0))
+                with self._lock:
+                    self.active += 1
+                try:
+                    if op == Op.READ:
+                        self._read(conn, op, req_id, entries, arenas)
+                    elif op == Op.WRITE:
+                        self._write(conn, op, req_id, entries, arenas)
+                    else:
+                        conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, 0, 0))
+                finally:
+                    with self._lock:
+                        self.active -= 1
         except (ConnectionError, OSError):
             pass
         finally:

@@ -10,7 +10,13 @@
   so its inventory lists exactly the committed, not-dropped blocks.
 - Registration: on start, and whenever the metadata service answers a heartbeat with "unknown"
   (it restarted, or our lease lapsed), the daemon registers again with a fresh scan of its
-  segments, so the index is rebuilt from what the daemon really holds.
+  segments (on a thread: the event loop keeps answering), so the index is rebuilt from what the
+  daemon really holds.
+- Health: NOT_SERVING until registered, while the service has not heard from it for a lease,
+  after repeated unexpected failures of the heartbeat loop, and from the start of a drain.
+- Drain (:meth:`CacheDaemon.drain`, on SIGTERM): no more puts, its blocks leave the index at
+  once, reads already handed out are served until their leases end (bounded), then it stops.
+- Metrics: :class:`~kvstore.metrics.DaemonCollector` on ``daemon.metrics_port``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from kvstore.config import DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena
@@ -31,7 +39,8 @@ from kvstore.daemon.ssd import SsdSegment
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.extent import HEADER_SIZE, Sealer, checksum, extent_size, scan
 from kvstore.keys import KEY_BYTES, unpack_keys
-from kvstore.rpc import GRPC_OPTIONS, add_service
+from kvstore.metrics import DaemonCollector, MetricsHttp
+from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
 from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2, meta_pb2_grpc
 from kvstore.wire import U8, U32, U64, pack, unpack
 
@@ -39,6 +48,8 @@ log = logging.getLogger("kvstore.daemon")
 
 DRAM_SEGMENT = 1
 SSD_SEGMENT = 2
+# Consecutive unexpected heartbeat-loop failures after which the daemon reports NOT_SERVING.
+LOOP_FAILURES_UNHEALTHY = 3
 
 
 def _inventory(
@@ -83,7 +94,7 @@ class _Control:
 
 
 class CacheDaemon:
-    def __init__(self, cfg: DaemonConfig) -> None:
+    def __init__(self, cfg: DaemonConfig, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         data_dir = Path(cfg.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +129,16 @@ class CacheDaemon:
         self.registrations = 0
         self._acked_batch = 0
         self.stopping = False
-        self._health: health.aio.HealthServicer | None = None
+        self.draining = False
+        self.health = ServerHealth("kvstore.v1.DaemonControl")
+        self._last_contact = 0.0  # loop time of the last answered heartbeat or registration
+        self._lease_ttl = 3.0  # the service's daemon lease, learnt at registration
+        self.counters = dict.fromkeys(
+            ("registrations", "heartbeat_failures", "commits", "invalidations", "moves", "moves_failed"), 0
+        )
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(DaemonCollector(self))
+        self.metrics = MetricsHttp(self.registry)
 
     @staticmethod
     def _stable_id(data_dir: Path) -> str:
@@ -228,6 +248,8 @@ class CacheDaemon:
                 log.warning("event=move_failed key=%s reason=%r", key.hex(), str(e))
             ok.append(int(size > 0))
             stored.append(size)
+        self.counters["moves"] += sum(ok)
+        self.counters["moves_failed"] += len(ok) - sum(ok)
         return daemon_pb2.MoveResponse(ok=pack(ok, U8), stored_size=pack(stored, U64))
 
     def commit(self, req: daemon_pb2.CommitRequest) -> daemon_pb2.CommitResponse:
@@ -260,6 +282,7 @@ class CacheDaemon:
                 st = common_pb2.COMMIT_UNAVAILABLE
             status.append(st)
             stored.append(size)
+        self.counters["commits"] += status.count(common_pb2.COMMIT_OK)
         return daemon_pb2.CommitResponse(status=pack(status, U8), stored_size=pack(stored, U64))
 
     def invalidate(self, invalidations) -> int:  # noqa: ANN001
@@ -277,31 +300,34 @@ class CacheDaemon:
                     cleared += seg.invalidate(self.sealer, off, key, gen)
                 else:
                     cleared += seg.invalidate(off, key, gen)
+        self.counters["invalidations"] += cleared
         return cleared
 
     async def start(self) -> None:
         await asyncio.to_thread(self.recover)
         self.dataport.start()
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
-        add_service(self._server, daemon_pb2, "DaemonControl", self.control)
-        hs = self._health = health.aio.HealthServicer()
-        add_service(self._server, health_pb2, "Health", hs)
+        add_service(self._server, daemon_pb2, "DaemonControl", self.control, self.registry)
+        add_service(self._server, health_pb2, "Health", self.health.servicer)
+        reflection.enable_server_reflection(
+            (daemon_pb2.DESCRIPTOR.services_by_name["DaemonControl"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME),
+            self._server,
+        )  # fmt: skip
         self.control_port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.control_port}")
+        if self.cfg.metrics_port >= 0:
+            self.metrics.start(self.cfg.metrics_host, self.cfg.metrics_port)
         await self._server.start()
-        # NOT_SERVING until the metadata service knows this daemon (see _register).
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        # NOT_SERVING until the metadata service knows this daemon (see _heartbeat_loop).
+        await self.health.start()
         self._channel = grpc.aio.insecure_channel(self.cfg.meta, options=GRPC_OPTIONS)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         log.info(
-            "event=daemon_started daemon=%s data_port=%d control_port=%d dram_bytes=%d reattached=%s",
-            self.daemon_id, self.dataport.port, self.control_port, self.dram.size, self.dram.reattached,
+            "event=daemon_started daemon=%s data_port=%d control_port=%d metrics_port=%d dram_bytes=%d reattached=%s",
+            self.daemon_id, self.dataport.port, self.control_port, self.metrics.port, self.dram.size,
+            self.dram.reattached,
         )  # fmt: skip
         self._hb_task = asyncio.create_task(self._heartbeat_loop())
-
-    async def _set_health(self, status: int) -> None:
-        if self._health is not None:
-            for name in ("", "kvstore.v1.DaemonControl"):
-                await self._health.set(name, status)
 
     async def _register(self) -> float:
         assert self._stub is not None
@@ -310,6 +336,7 @@ class CacheDaemon:
             meta_pb2.RegisterDaemonRequest(daemon=self.info(), inventory=invs), timeout=30
         )
         self.registrations += 1
+        self.counters["registrations"] += 1
         blocks = sum(len(i.keys) // KEY_BYTES for i in invs)
         log.info(
             "event=registered daemon=%s blocks=%d discarded=%d rejected=%d",
@@ -318,15 +345,19 @@ class CacheDaemon:
             discarded,
             resp.rejected,
         )
+        self._lease_ttl = max(resp.lease_ttl_ms / 1000.0, 0.01)
         self.registered.set()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         return max(resp.heartbeat_interval_ms / 1000.0, 0.01)
 
     async def _heartbeat_loop(self) -> None:
+        """Registers, then heartbeats every interval for as long as the daemon runs. Survives
+        any failure (logged); health follows whether the service currently knows this daemon."""
         assert self._stub is not None
+        loop = asyncio.get_running_loop()
         interval = 0.5
         need_register = True
-        while True:
+        failures = 0
+        while not self.draining:
             try:
                 if need_register:
                     interval = await self._register()
@@ -341,19 +372,85 @@ class CacheDaemon:
                     if not resp.known:
                         log.info("event=meta_forgot_us daemon=%s action=reregister", self.daemon_id)
                         need_register = True
+                        if self.health.serving:
+                            await self.health.set_serving(False)
                         continue
+                self._last_contact = loop.time()
+                failures = 0
             except grpc.aio.AioRpcError as e:
                 # A restarted service answers "unknown" to the next heartbeat; until then, wait.
+                self.counters["heartbeat_failures"] += 1
                 log.debug("event=meta_unreachable code=%s", e.code().name)
             except Exception:  # noqa: BLE001 - the loop must outlive any one failure
-                log.exception("event=heartbeat_loop_error daemon=%s", self.daemon_id)
+                self.counters["heartbeat_failures"] += 1
+                failures += 1
+                log.exception("event=heartbeat_loop_error daemon=%s consecutive=%d", self.daemon_id, failures)
+            # SERVING while the service knows us: registered, heard from within a lease, and the
+            # loop not failing over and over.
+            serving = (
+                not need_register
+                and not self.draining
+                and loop.time() - self._last_contact < self._lease_ttl
+                and failures < LOOP_FAILURES_UNHEALTHY
+            )
+            if serving != self.health.serving:
+                log.log(
+                    logging.INFO if serving else logging.WARNING,
+                    "event=health daemon=%s status=%s", self.daemon_id, "SERVING" if serving else "NOT_SERVING",
+                )  # fmt: skip
+                await self.health.set_serving(serving)
             await asyncio.sleep(interval)
 
+    async def drain(self) -> None:
+        """Leaves the pool on purpose (SIGTERM): health NOT_SERVING, no more puts (the service
+        drops this daemon and its blocks from the index at once), reads already handed out are
+        served until their leases end or ``daemon.drain_timeout_s``, then the daemon stops."""
+        if self.draining:
+            return
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self.health.set_serving(False)
+        if self._hb_task:
+            self._hb_task.cancel()
+        deadline = t0 + self.cfg.drain_timeout_s
+        leases = 0
+        if self._stub is not None and self.registered.is_set():
+            first = True
+            while True:
+                try:
+                    resp = await self._stub.DrainDaemon(
+                        meta_pb2.DrainDaemonRequest(daemon_id=self.daemon_id), timeout=5
+                    )
+                except grpc.aio.AioRpcError as e:
+                    log.warning(
+                        "event=drain_unannounced daemon=%s code=%s effect=blocks_leave_index_at_lease_expiry",
+                        self.daemon_id, e.code().name,
+                    )  # fmt: skip
+                    break
+                leases = resp.leases
+                if first:
+                    first = False
+                    log.info(
+                        "event=draining daemon=%s blocks_left_index=%d leases=%d lease_wait_s=%.3f",
+                        self.daemon_id, resp.dropped, resp.leases, resp.lease_wait_ms / 1000,
+                    )  # fmt: skip
+                if leases == 0 or loop.time() >= deadline:
+                    break
+                await asyncio.sleep(0.05)
+        # Data-port requests in progress finish (bounded by the same deadline).
+        while loop.time() < deadline and self.dataport.active > 0:
+            await asyncio.sleep(0.02)
+        log.info("event=drained daemon=%s seconds=%.3f leases_left=%d", self.daemon_id, loop.time() - t0, leases)
+        await self.stop()
+
     async def stop(self) -> None:
-        """Stops every part, each even if another failed (and logs what failed)."""
+        """Stops every part, each even if another failed (and logs what failed). Idempotent."""
+        if self.stopping:
+            return
         self.stopping = True
         try:
-            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.stop()
         except Exception:  # noqa: BLE001
             log.exception("event=stop_failed part=health")
         if self._hb_task:
@@ -365,7 +462,12 @@ class CacheDaemon:
             if self._channel:
                 await self._channel.close()
 
-        parts = [("dataport", self.dataport.stop), ("grpc", server_stop), ("dram", self.dram.close)]
+        parts = [
+            ("dataport", self.dataport.stop),
+            ("grpc", server_stop),
+            ("metrics", self.metrics.stop),
+            ("dram", self.dram.close),
+        ]
         if self.ssd is not None:
             parts.append(("ssd", self.ssd.close))
         for name, step in parts:

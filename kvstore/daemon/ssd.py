@@ -431,6 +431,10 @@ class SsdSegment:
         with self._jlock:
             return sorted(self._live.values(), key=lambda b: b.gen)
 
+    @property
+    def journal_bytes(self) -> int:
+        return self._jsize
+
     def close(self) -> None:
         """Closes the files; never raises (nothing is buffered: every record was written whole
         or cut back)."""

@@ -255,6 +255,25 @@ class DaemonLink:
             self.index.finish_move(mv.move_id, bool(good), size)
         log.debug("event=moves daemon=%s count=%d ok=%d", daemon_id, len(moves), sum(ok))
 
+    # ---- housekeeping -----------------------------------------------------------------------
+
+    def forget(self, daemon_id: str) -> None:
+        """Drops what this link keeps for a daemon that left the index (channel, failure
+        state); its undelivered tombstones stay with the index for when it comes back."""
+        cached = self._stubs.pop(daemon_id, None)
+        if cached is not None:
+            asyncio.ensure_future(cached[1].close())
+        self._move_failing.discard(daemon_id)
+        self._invalidate_failing.discard(daemon_id)
+        self.requeue(daemon_id)
+
+    def prune(self) -> None:
+        """Forgets the daemons that are no longer in the index (lease lapsed, drained)."""
+        known = self.index.daemons
+        gone = (set(self._stubs) | self._move_failing | self._invalidate_failing | set(self._inflight)) - set(known)
+        for did in gone:
+            self.forget(did)
+
     async def close(self) -> None:
         for _addr, ch, _stub in self._stubs.values():
             await ch.close()

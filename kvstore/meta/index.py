@@ -34,6 +34,7 @@ that can be freed at once. SSD is the last tier: its LRU victims are dropped.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import random
@@ -73,12 +74,24 @@ _COUNTERS = (
     "ssd_hit_keys", "puts", "put_keys", "put_bytes", "put_ssd_keys", "dedup_keys", "no_space_keys",
     "evictions", "evicted_bytes", "dropped_clean", "demoted", "demoted_bytes", "promoted",
     "promoted_bytes", "moves_failed", "removed", "expired_puts", "expired_leases", "corrupt_reported",
-    "daemons_lost", "commit_failed_keys", "tombstones", "tombstones_dropped",
+    "daemons_lost", "daemons_drained", "commit_failed_keys", "tombstones", "tombstones_dropped", "stall_grace",
 )  # fmt: skip
 
 # Tombstones kept for daemons that could not take them yet (unreachable or gone); past this the
 # oldest are dropped (a warning is counted), so a daemon that never returns cannot grow memory.
 MAX_TOMBSTONES = 1 << 20
+
+
+def _expired(heap: list[tuple[float, int]], table: dict, now: float) -> list[int]:
+    """Pops the (deadline, id) entries of ``heap`` that passed; returns the ids still in
+    ``table`` whose deadline passed (the others ended earlier)."""
+    out = []
+    while heap and heap[0][0] < now:
+        _, i = heapq.heappop(heap)
+        item = table.get(i)
+        if item is not None and item.deadline < now:
+            out.append(i)
+    return out
 
 
 class Index:
@@ -107,6 +120,10 @@ class Index:
         self.tombstones: dict[str, list[Tombstone]] = {}
         self._n_tombstones = 0
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        # (deadline, id) of puts and leases, so that expiry costs what expires (entries of
+        # puts and leases that ended earlier are skipped when they come up).
+        self._put_deadlines: list[tuple[float, int]] = []
+        self._lease_deadlines: list[tuple[float, int]] = []
 
     def _next_gen(self) -> int:
         """A fresh generation: unique in this index, above every generation it has seen, and
@@ -175,6 +192,7 @@ class Index:
     def _add_replica(self, e: Entry, seg: Segment, offset: int, size: int, length: int, gen: int = 0) -> Replica:
         rep = Replica(seg, offset, size, length, e, gen or self._next_gen())
         e.replicas.append(rep)
+        seg.replicas.add(rep)
         seg.blocks += 1
         if e.pinned:
             seg.pinned += 1
@@ -199,6 +217,7 @@ class Index:
         rep.live = False
         rep.ready = False
         seg.lru.pop(e.key, None)
+        seg.replicas.discard(rep)
         seg.blocks -= 1
         if e.pinned:
             seg.pinned -= 1
@@ -294,18 +313,42 @@ class Index:
         return True
 
     def _drop_daemon(self, daemon_id: str) -> None:
+        """Forgets a daemon and its replicas (ready and reserved: puts in flight on it commit
+        nothing there; entries keep their position in put.entries). Costs the daemon's own
+        blocks, not the index's."""
         d = self.daemons.pop(daemon_id)
         for mid in [m for m, mv in self.moves.items() if mv.src.segment.daemon is d]:
             self.finish_move(mid, False)
-        for put in self.puts.values():
-            # Entries keep their position in put.entries: commit arrays are aligned with it.
-            for e in put.entries:
-                for r in list(e.replicas):
-                    if r.segment.daemon is d:
-                        self._drop_replica(r, free=False)
-        for e in [e for e in self.entries.values() if any(r.segment.daemon is d for r in e.replicas)]:
-            for r in [r for r in e.replicas if r.segment.daemon is d]:
+        for seg in d.segments.values():
+            for r in list(seg.replicas):
                 self._drop_replica(r, free=False)
+
+    def drain_daemon(self, daemon_id: str) -> tuple[int, int, float]:
+        """A daemon leaving on purpose: it takes no more puts and its blocks leave the index
+        now. Returns (blocks dropped, read leases on its blocks still held, seconds until the
+        last of them runs out), so that the daemon keeps serving what was handed out. It may
+        be called again (dropping nothing) to follow the leases."""
+        d = self.daemons.get(daemon_id)
+        blocks = 0
+        if d is not None:
+            blocks = sum(seg.blocks for seg in d.segments.values())
+            self._drop_daemon(daemon_id)
+            self.counters["daemons_drained"] += 1
+        now = self.clock.now()
+        held, wait = 0, 0.0
+        for lease in self.leases.values():
+            if any(r.segment.daemon.spec.daemon_id == daemon_id for r in lease.replicas):
+                held += 1
+                wait = max(wait, lease.deadline - now)
+        return blocks, held, wait
+
+    def grace(self, seconds: float) -> None:
+        """The service itself did not run for ``seconds`` (a long call, a paused process):
+        heartbeats that arrived in that time could not be handled, so no daemon's lease counts
+        that time against it."""
+        for d in self.daemons.values():
+            d.deadline += seconds
+        self.counters["stall_grace"] += 1
 
     # ---- writes -----------------------------------------------------------------------------
 
@@ -387,6 +430,7 @@ class Index:
         self.counters["puts"] += 1
         if allocated:
             self.puts[put_id] = Put(put_id, now + timeout, keys, allocated)
+            heapq.heappush(self._put_deadlines, (now + timeout, put_id))
         else:
             self._touch_chain(keys)
         return PutStartResult(put_id, status, placements, timeout)
@@ -586,7 +630,9 @@ class Index:
             reps.append(rep)
         self.counters["hit_bytes"] += nbytes
         lease_id = next(self._lease_ids)
-        self.leases[lease_id] = Lease(lease_id, self.clock.now() + ttl, reps)
+        deadline = self.clock.now() + ttl
+        self.leases[lease_id] = Lease(lease_id, deadline, reps)
+        heapq.heappush(self._lease_deadlines, (deadline, lease_id))
         return AcquireResult(len(run), lease_id, reps, ttl)
 
     def _unlease(self, rep: Replica) -> None:
@@ -621,15 +667,20 @@ class Index:
 
     # ---- tier moves -------------------------------------------------------------------------
 
-    def plan_moves(self, max_bytes: int = 64 << 20) -> dict[str, list[Move]]:
+    def plan_moves(self, max_bytes: int = 64 << 20, skip: Iterable[str] = ()) -> dict[str, list[Move]]:
         """Plans demotions (DRAM above its high watermark: coldest replicas without an SSD copy
-        go to SSD) and promotions (blocks recently read from SSD come back to DRAM), per daemon.
+        go to SSD) and promotions (blocks recently read from SSD come back to DRAM), per daemon,
+        except for the daemons in ``skip`` (their previous batch is still under way).
 
         Each move leases its source and reserves its target; the caller has the daemon copy
         the bytes and then calls :meth:`finish_move`. Nothing becomes visible before that.
         """
         plans: dict[str, list[Move]] = {}
+        skip = set(skip)
+        later: list[bytes] = []
         for d in self.daemons.values():
+            if d.spec.daemon_id in skip:
+                continue
             dram, ssd = d.tier(Tier.DRAM), d.tier(Tier.SSD)
             if dram is None or ssd is None:
                 continue
@@ -649,6 +700,9 @@ class Index:
             dram = src.segment.daemon.tier(Tier.DRAM)
             if dram is None:
                 continue
+            if dram.daemon.spec.daemon_id in skip:
+                later.append(key)
+                continue
             # Promote into the room above the high watermark (halfway to full): the next round of
             # demotions then moves the coldest blocks out, and puts keep room in the rest.
             high = self.limits.dram_high_watermark
@@ -660,6 +714,8 @@ class Index:
             mv = self._start_move(e, src, dram, off, demote=False)
             plans.setdefault(dram.daemon.spec.daemon_id, []).append(mv)
             budget -= src.length
+        for key in later:
+            self.promote_queue[key] = None
         return plans
 
     def _plan_demotions(self, dram: Segment, ssd: Segment, max_bytes: int) -> list[Move]:
@@ -669,11 +725,22 @@ class Index:
         goal = dram.alloc.used - int(cap * self.limits.dram_low_watermark)
         moves: list[Move] = []
         planned = 0
-        for rep in list(dram.lru.values()):
-            if planned >= min(goal, max_bytes):
+        limit = min(goal, max_bytes)
+        # The coldest replicas worth this round's bytes (a walk of the LRU's head, not a copy
+        # of it); acting on them changes the LRU, so they are taken first.
+        cands: list[Replica] = []
+        acc = 0
+        for rep in dram.lru.values():
+            if acc >= limit:
+                break
+            if not rep.entry.moving:
+                cands.append(rep)
+                acc += rep.size
+        for rep in cands:
+            if planned >= limit:
                 break
             e = rep.entry
-            if e.moving:
+            if e.moving or not rep.live or rep.segment.lru.get(e.key) is not rep:
                 continue
             if e.on(Tier.SSD) is not None:  # already has an SSD copy: just drop this one
                 planned += rep.size
@@ -786,10 +853,10 @@ class Index:
         for did in [d for d, st in self.daemons.items() if st.deadline < now]:
             self._drop_daemon(did)
             out["daemons"] += 1
-        for pid in [p for p, put in self.puts.items() if put.deadline < now]:
+        for pid in _expired(self._put_deadlines, self.puts, now):
             self.put_abort(pid)
             out["puts"] += 1
-        for lid in [lid for lid, lease in self.leases.items() if lease.deadline < now]:
+        for lid in _expired(self._lease_deadlines, self.leases, now):
             self.release(lid)
             out["leases"] += 1
         self.counters["daemons_lost"] += out["daemons"]
@@ -845,3 +912,5 @@ class Index:
                     f"segment block count {seg.blocks} != {blocks.get(id(seg), 0)}"
                 )
                 assert seg.pinned == pinned.get(id(seg), 0), f"segment pinned {seg.pinned} != {pinned.get(id(seg), 0)}"
+                assert len(seg.replicas) == seg.blocks, f"segment replica set {len(seg.replicas)} != {seg.blocks}"
+                assert all(r.live and r.segment is seg and r in r.entry.replicas for r in seg.replicas)

@@ -151,7 +151,7 @@ class Entry:
 
 
 class Segment:
-    __slots__ = ("daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref")
+    __slots__ = ("daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref", "replicas")
 
     def __init__(self, daemon: Daemon, spec: SegmentSpec, ref: int, alloc: Allocator | None = None) -> None:
         self.daemon = daemon
@@ -163,6 +163,9 @@ class Segment:
         self.blocks = 0
         self.pinned = 0
         self.leased = 0
+        # Every live replica (ready or reserved), so that losing a daemon costs its own blocks,
+        # not a walk of the whole index.
+        self.replicas: set[Replica] = set()
 
     @property
     def align(self) -> int:

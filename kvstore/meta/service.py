@@ -4,7 +4,10 @@ Each handler decodes the packed columns, calls the index, carries its decisions 
 (:class:`~kvstore.meta.daemons.DaemonLink`: commits before a put is visible, tombstones before
 a removal or an eviction is acknowledged) and encodes the answer. Statuses are chosen by cause
 in one place for every server (:mod:`kvstore.rpc`). A background task expires daemons, put
-reservations and leases; another plans tier moves.
+reservations and leases; another plans tier moves, which each daemon carries out on its own
+(a slow daemon holds up only its own moves). Both loops survive any one failure, log it, and
+turn health NOT_SERVING while they keep failing. The service exports Prometheus metrics
+(:mod:`kvstore.metrics`) and gRPC server reflection.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from kvstore.config import MetaConfig
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
@@ -30,7 +35,8 @@ from kvstore.meta.index import (
     SegmentSpec,
     Tier,
 )
-from kvstore.rpc import GRPC_OPTIONS, add_service
+from kvstore.metrics import MetaCollector, MetricsHttp
+from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
 from kvstore.v1 import common_pb2, meta_pb2
 from kvstore.wire import U8, U32, U64, daemon_to_pb, locations_to_pb, pack, unpack
 
@@ -90,6 +96,17 @@ class MetaServicer:
             heartbeat_interval_ms=int(lim.heartbeat_interval_s * 1000),
             lease_ttl_ms=int(lim.daemon_ttl_s * 1000),
             rejected=rejected,
+        )
+
+    async def DrainDaemon(self, request, context):
+        if not request.daemon_id:
+            raise InvalidArgument("daemon_id is empty")
+        dropped, held, wait = self.index.drain_daemon(request.daemon_id)
+        if dropped:
+            self.link.forget(request.daemon_id)
+            log.info("event=daemon_drained daemon=%s blocks=%d leases=%d", request.daemon_id, dropped, held)
+        return meta_pb2.DrainDaemonResponse(
+            dropped=dropped, leases=held, lease_wait_ms=min(math.ceil(wait * 1000), 2**32 - 1)
         )
 
     def Heartbeat(self, request, context):
@@ -221,10 +238,15 @@ class MetaServicer:
         return meta_pb2.AdvanceClockResponse(now=now)
 
 
-class MetaServer:
-    """The metadata service as a running gRPC server (plus health checking and the sweeper)."""
+# Consecutive failures of a background loop after which the service reports NOT_SERVING.
+LOOP_FAILURES_UNHEALTHY = 3
 
-    def __init__(self, cfg: MetaConfig, clock: Clock | None = None) -> None:
+
+class MetaServer:
+    """The metadata service as a running gRPC server (plus health checking, reflection, metrics,
+    the sweeper and the tier loop)."""
+
+    def __init__(self, cfg: MetaConfig, clock: Clock | None = None, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         limits = IndexLimits(
             max_batch_keys=cfg.max_batch_keys,
@@ -238,74 +260,122 @@ class MetaServer:
         )
         self.index = Index(limits, clock or Clock())
         self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s)
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(MetaCollector(self.index, self.link))
+        self.metrics = MetricsHttp(self.registry)
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._sweeper: asyncio.Task | None = None
         self._tierer: asyncio.Task | None = None
+        self._moving: dict[str, asyncio.Task] = {}  # daemon id -> its batch of moves in flight
         # Held by each round of the background loops, so that a stop lets the round in
         # progress deliver its tombstones instead of cutting it off mid-way.
         self._round = asyncio.Lock()
-        self._health: health.aio.HealthServicer | None = None
+        self.health = ServerHealth("kvstore.v1.MetaService")
+        self._failing: dict[str, int] = {}  # background loop -> consecutive failures
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
-        add_service(
-            self.server, meta_pb2, "MetaService", MetaServicer(self.index, self.link, self.cfg.allow_clock_skew)
+        servicer = MetaServicer(self.index, self.link, self.cfg.allow_clock_skew)
+        add_service(self.server, meta_pb2, "MetaService", servicer, self.registry)
+        add_service(self.server, health_pb2, "Health", self.health.servicer)
+        reflection.enable_server_reflection(
+            (
+                meta_pb2.DESCRIPTOR.services_by_name["MetaService"].full_name,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
         )
-        hs = self._health = health.aio.HealthServicer()
-        add_service(self.server, health_pb2, "Health", hs)
         self.port = self.server.add_insecure_port(self.cfg.listen)
         if self.port == 0:
             raise OSError(f"metadata service cannot listen on {self.cfg.listen}")
+        if self.cfg.metrics_port >= 0:
+            self.metrics.start(self.cfg.metrics_host, self.cfg.metrics_port)
         await self.server.start()
-        for name in ("", "kvstore.v1.MetaService"):
-            await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._sweeper = asyncio.create_task(self._sweep())
-        self._tierer = asyncio.create_task(self._tier_loop())
-        log.info("event=meta_started listen=%s port=%d", self.cfg.listen, self.port)
+        await self.health.start()
+        await self.health.set_serving(True)
+        self._sweeper = asyncio.create_task(self._loop("sweep", self.cfg.sweep_interval_s, self._sweep_round))
+        self._tierer = asyncio.create_task(self._loop("tier", self.cfg.tier_interval_s, self._tier_round))
+        log.info("event=meta_started listen=%s port=%d metrics_port=%d", self.cfg.listen, self.port, self.metrics.port)
         return self.port
 
-    async def _sweep(self) -> None:
+    async def _loop(self, name: str, interval: float, body) -> None:  # noqa: ANN001
+        """Runs ``body`` every ``interval`` seconds for as long as the server runs: an exception
+        is logged and the loop goes on; after LOOP_FAILURES_UNHEALTHY in a row the service
+        reports NOT_SERVING until a round succeeds again."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            await asyncio.sleep(self.cfg.sweep_interval_s)
+            await asyncio.sleep(interval)
+            now = loop.time()
+            lag, last = now - last - interval, now
             try:
                 async with self._round:
-                    out = self.index.expire()
-                    if any(out.values()):
-                        log.info(
-                            "event=expired daemons=%d puts=%d leases=%d", out["daemons"], out["puts"], out["leases"]
-                        )
-                    await self.link.flush()
+                    await body(lag)
             except Exception:  # noqa: BLE001 - the loop must outlive any one failure
-                log.exception("event=sweep_error")
+                n = self._failing[name] = self._failing.get(name, 0) + 1
+                log.exception("event=loop_error loop=%s consecutive=%d", name, n)
+                if n == LOOP_FAILURES_UNHEALTHY and self.health.serving:
+                    log.error("event=unhealthy loop=%s consecutive=%d health=NOT_SERVING", name, n)
+                    await self.health.set_serving(False)
+                continue
+            if self._failing.pop(name, 0) and not self._failing and not self.health.serving and not self._stopping:
+                log.info("event=healthy loop=%s health=SERVING", name)
+                await self.health.set_serving(True)
 
-    async def _tier_loop(self) -> None:
-        """Plans demotions and promotions and has each daemon carry out its own."""
-        while True:
-            await asyncio.sleep(self.cfg.tier_interval_s)
-            try:
-                async with self._round:
-                    plans = self.index.plan_moves(self.cfg.move_batch_bytes)
-                    await self.link.flush()  # SSD space freed for the moves
-                    if plans:
-                        await self.link.run_moves(plans)
-                        await self.link.flush()  # demoted DRAM copies
-            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
-                log.exception("event=tier_loop_error")
+    _stopping = False
+
+    async def _sweep_round(self, lag: float) -> None:
+        # The loop did not run for `lag` seconds (a long call, a paused process): heartbeats
+        # that came in meanwhile were not handled yet, so the daemons do not lose that time.
+        if lag > self.cfg.heartbeat_interval_s:
+            self.index.grace(lag)
+            log.warning("event=service_stalled seconds=%.3f action=daemon_leases_extended", lag)
+        out = self.index.expire()
+        if any(out.values()):
+            log.info("event=expired daemons=%d puts=%d leases=%d", out["daemons"], out["puts"], out["leases"])
+        self.link.prune()
+        await self.link.flush()
+
+    async def _tier_round(self, lag: float) -> None:
+        """Plans demotions and promotions; each daemon carries out its batch on its own, and a
+        daemon with a batch in flight gets no new one until it answers."""
+        busy = {did for did, t in self._moving.items() if not t.done()}
+        plans = self.index.plan_moves(self.cfg.move_batch_bytes, skip=busy)
+        await self.link.flush()  # SSD space freed for the moves
+        for did, moves in plans.items():
+            self._moving[did] = asyncio.create_task(self._moves(did, moves))
+        for did in [d for d, t in self._moving.items() if t.done()]:
+            del self._moving[did]
+
+    async def _moves(self, daemon_id: str, moves) -> None:  # noqa: ANN001
+        try:
+            mark = self.link.mark()
+            await self.link.run_moves({daemon_id: moves})
+            await self.link.flush(mark)  # demoted DRAM copies
+        except Exception:  # noqa: BLE001 - one daemon's batch; the tier loop goes on
+            log.exception("event=moves_error daemon=%s", daemon_id)
 
     async def stop(self, grace: float = 0.5) -> None:
-        """Stops serving: health turns NOT_SERVING, the background round in progress finishes
-        first (its tombstones reach the daemons), then the loops end and the server stops."""
-        if self._health is not None:
-            for name in ("", "kvstore.v1.MetaService"):
-                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        """Stops serving: health turns NOT_SERVING, the background round in progress and the
+        tier moves in flight finish first (their tombstones reach the daemons), then the loops
+        end and the server stops."""
+        self._stopping = True
+        await self.health.stop()
         async with self._round:
             for task in (self._tierer, self._sweeper):
                 if task:
                     task.cancel()
+        pending = [t for t in self._moving.values() if not t.done()]
+        if pending:
+            _done, late = await asyncio.wait(pending, timeout=self.cfg.daemon_rpc_timeout_s)
+            for t in late:
+                t.cancel()
         if self.server:
             await self.server.stop(grace)
         await self.link.close()
+        self.metrics.stop()
 
     async def wait(self) -> None:
         assert self.server is not None

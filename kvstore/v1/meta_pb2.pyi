@@ -55,6 +55,22 @@ class HeartbeatResponse(_message.Message):
     batch: int
     def __init__(self, known: _Optional[bool] = ..., invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ..., batch: _Optional[int] = ...) -> None: ...
 
+class DrainDaemonRequest(_message.Message):
+    __slots__ = ("daemon_id",)
+    DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    daemon_id: str
+    def __init__(self, daemon_id: _Optional[str] = ...) -> None: ...
+
+class DrainDaemonResponse(_message.Message):
+    __slots__ = ("dropped", "lease_wait_ms", "leases")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    lease_wait_ms: int
+    leases: int
+    def __init__(self, dropped: _Optional[int] = ..., lease_wait_ms: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+
 class PutStartRequest(_message.Message):
     __slots__ = ("keys", "sizes", "chain", "host_id", "timeout_ms", "exclude_daemons")
     KEYS_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class MetaServiceStub:
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_meta__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.DrainDaemon = channel.unary_unary(
+                '/kvstore.v1.MetaService/DrainDaemon',
+                request_serializer=kvstore_dot_v1_dot_meta__pb2.DrainDaemonRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_meta__pb2.DrainDaemonResponse.FromString,
+                _registered_method=True)
         self.PutStart = channel.unary_unary(
                 '/kvstore.v1.MetaService/PutStart',
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.PutStartRequest.SerializeToString,
@@ -113,6 +118,14 @@ class MetaServiceServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainDaemon(self, request, context):
+        """A daemon leaving on purpose (SIGTERM): no more puts go to it and its blocks leave the
+        index now instead of when its lease lapses.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -199,6 +212,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvstore_dot_v1_dot_meta__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_meta__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'DrainDaemon': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainDaemon,
+                    request_deserializer=kvstore_dot_v1_dot_meta__pb2.DrainDaemonRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_meta__pb2.DrainDaemonResponse.SerializeToString,
             ),
             'PutStart': grpc.unary_unary_rpc_method_handler(
                     servicer.PutStart,
@@ -310,6 +328,33 @@ class MetaService:
             '/kvstore.v1.MetaService/Heartbeat',
             kvstore_dot_v1_dot_meta__pb2.HeartbeatRequest.SerializeToString,
             kvstore_dot_v1_dot_meta__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainDaemon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.MetaService/DrainDaemon',
+            kvstore_dot_v1_dot_meta__pb2.DrainDaemonRequest.SerializeToString,
+            kvstore_dot_v1_dot_meta__pb2.DrainDaemonResponse.FromString,
             options,
             channel_credentials,
             insecure,

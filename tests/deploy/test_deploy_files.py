@@ -186,8 +186,15 @@ def test_dockerfile_copies_exist_and_are_not_ignored():
     assert any(r.split()[-2:] == ["deploy/configs/", "/etc/kvstore/"] for r in copies)
 
 
+def _kvstore_services(compose: dict) -> dict[str, dict]:
+    """The compose services that run the kvstore image (not Prometheus, Grafana)."""
+    return {
+        n: s for n, s in compose["services"].items() if s.get("build") or str(s.get("image", "")).startswith("kvstore:")
+    }
+
+
 def test_compose_services_run_existing_subcommands(compose):
-    services = compose["services"]
+    services = _kvstore_services(compose)
     assert services
     used = set()
     for name, svc in services.items():
@@ -198,7 +205,7 @@ def test_compose_services_run_existing_subcommands(compose):
 
 
 def test_compose_one_meta_two_daemons_with_health_checks(compose, monkeypatch):
-    services = compose["services"]
+    services = _kvstore_services(compose)
     build = services[next(iter(services))].get("build")
     assert build and (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
 
@@ -241,7 +248,7 @@ def _health(script: str, addr: str) -> int:
 
 
 def test_compose_health_check_against_real_servers(compose, cluster):
-    services = compose["services"]
+    services = _kvstore_services(compose)
     scripts = {svc["command"][0]: svc["healthcheck"]["test"][3] for svc in services.values() if "healthcheck" in svc}
     assert set(scripts) == {"meta", "daemon"}
     cluster.start_meta()
@@ -259,8 +266,8 @@ def k8s() -> list[dict]:
     return [d for p in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
 
 
-def _one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
+def _one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
 
@@ -273,7 +280,7 @@ def _container(workload: dict) -> dict:
 
 def _k8s_configs(docs: list[dict], tmp_path: Path) -> Path:
     """Writes the ConfigMap's files to ``tmp_path`` (what pods see at its mount path)."""
-    for name, text in _one(docs, "ConfigMap")["data"].items():
+    for name, text in _one(docs, "ConfigMap", "kvstore-config")["data"].items():
         (tmp_path / name).write_text(text)
     return tmp_path
 
@@ -290,7 +297,7 @@ def _k8s_cfg(docs, kind: str, tmp_path: Path, monkeypatch, placeholders: dict[st
     config_arg = c["args"][c["args"].index("--config") + 1]
     vol = mounts.get(str(Path(config_arg).parent))
     volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
-    assert vol and volumes[vol]["configMap"]["name"] == _one(docs, "ConfigMap")["metadata"]["name"]
+    assert vol and volumes[vol]["configMap"]["name"] == _one(docs, "ConfigMap", "kvstore-config")["metadata"]["name"]
     return workload, cfg
 
 
@@ -308,7 +315,7 @@ def test_k8s_kinds_and_metadata(k8s):
 
 
 def test_k8s_configmap_configs_load(k8s, tmp_path):
-    cm = _one(k8s, "ConfigMap")
+    cm = _one(k8s, "ConfigMap", "kvstore-config")
     assert {"meta.yaml", "daemon.yaml"} <= set(cm["data"])
     for name, text in cm["data"].items():
         (tmp_path / name).write_text(text)
@@ -464,3 +471,109 @@ def test_every_path_the_deploy_files_mention_exists():
         if not re.match(r"\w+://", m.group(1)) and not (DEPLOY / m.group(1)).exists():
             missing.append(f"deploy/README.md: link {m.group(1)}")
     assert not missing, "\n".join(missing)
+
+
+# ---- monitoring ---------------------------------------------------------------------------------
+
+MONITORING = DEPLOY / "monitoring"
+DASHBOARD = MONITORING / "grafana" / "dashboards" / "kvstore.json"
+
+
+def _dashboard_metrics() -> set[str]:
+    import json
+
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 10
+    names = set()
+    for e in exprs:
+        names |= set(re.findall(r"\bkvstore_[a-z0-9_]+", e))
+    return names
+
+
+def test_compose_runs_prometheus_and_grafana_on_the_servers_metrics_ports(compose, monkeypatch):
+    services = compose["services"]
+    prom, graf = services["prometheus"], services["grafana"]
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in prom["volumes"]}
+    (src, dst), = mounts.items()  # fmt: skip
+    assert (COMPOSE.parent / src).resolve() == (MONITORING / "prometheus.yml").resolve()
+    assert f"--config.file={dst}" in prom["command"]
+    scrape = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    targets = {j["job_name"]: set(j["static_configs"][0]["targets"]) for j in scrape["scrape_configs"]}
+    want_meta, want_daemons = set(), set()
+    for name, svc in _kvstore_services(compose).items():
+        if svc.get("profiles"):
+            continue
+        cfg = _effective_config(svc["command"], svc.get("environment", {}), CONFIGS, monkeypatch, name)
+        if svc["command"][0] == "meta":
+            assert cfg.meta.metrics_port > 0 and cfg.meta.metrics_host == "0.0.0.0"
+            want_meta.add(f"{name}:{cfg.meta.metrics_port}")
+        else:
+            assert cfg.daemon.metrics_port > 0 and cfg.daemon.metrics_host == "0.0.0.0"
+            want_daemons.add(f"{svc['hostname']}:{cfg.daemon.metrics_port}")
+    assert targets == {"kvstore-meta": want_meta, "kvstore-daemon": want_daemons}
+    gmounts = {(COMPOSE.parent / v.split(":")[0]).resolve(): v.split(":")[1] for v in graf["volumes"]}
+    assert gmounts[(MONITORING / "grafana" / "provisioning").resolve()] == "/etc/grafana/provisioning"
+    dash_dir = gmounts[DASHBOARD.parent.resolve()]
+    provider = yaml.safe_load((MONITORING / "grafana/provisioning/dashboards/kvstore.yaml").read_text())
+    assert provider["providers"][0]["options"]["path"] == dash_dir
+    source = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+    import json
+
+    uids = {t["datasource"]["uid"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]}
+    assert uids == {source["datasources"][0]["uid"]}
+
+
+def test_k8s_pods_are_annotated_with_their_metrics_ports(k8s, tmp_path, monkeypatch):
+    cm = next(d for d in k8s if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvstore-config")
+    ports = {}
+    for fname, section in (("meta.yaml", "meta"), ("daemon.yaml", "daemon")):
+        path = tmp_path / fname
+        path.write_text(cm["data"][fname])
+        ports[section] = getattr(load_config(str(path), env={}), section).metrics_port
+    for name, section in (("kvstore-meta", "meta"), ("kvstore-daemon", "daemon")):
+        wl = next(d for d in k8s if d["kind"] in ("Deployment", "DaemonSet") and d["metadata"]["name"] == name)
+        ann = wl["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == ports[section]
+        c = wl["spec"]["template"]["spec"]["containers"][0]
+        assert {"name": "metrics", "containerPort": ports[section], "protocol": "TCP"} in c["ports"]
+    mon = next(d for d in k8s if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvstore-prometheus")
+    jobs = {j["job_name"] for j in yaml.safe_load(mon["data"]["prometheus.yml"])["scrape_configs"]}
+    assert jobs == {"kvstore-meta", "kvstore-daemon"}
+    ds = next(d for d in k8s if d["kind"] == "DaemonSet")
+    c = ds["spec"]["template"]["spec"]["containers"][0]
+    # A daemon is restarted only when its process stops answering, never because the service is away.
+    assert c["livenessProbe"]["grpc"]["service"] == "kvstore.liveness"
+    assert c["startupProbe"]["grpc"]["service"] == "kvstore.liveness"
+    assert c["readinessProbe"]["grpc"].get("service", "") == ""
+
+
+def test_dashboard_queries_name_only_metrics_the_servers_export(tmp_path):
+    """Every metric a dashboard panel queries is exported by a real service and a real daemon
+    with an SSD segment (scraped and parsed with prometheus-client's parser)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstore.procs import start
+
+    child = start(["serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"), "--dram", "16MiB",
+                   "--metrics-port", "0", "--set", "daemon.ssd_bytes=16MiB"], cwd=REPO)  # fmt: skip
+    try:
+        from kvstore import SyncKVStoreClient
+
+        with SyncKVStoreClient(child.info["meta"]) as c:
+            c.lookup([b"\x01" * 16])  # an RPC, so that its histogram has samples
+            c.remove([b"\x02" * 16])
+        with urllib.request.urlopen(f"http://127.0.0.1:{child.info['metrics_port']}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        child.stop()
+    exported = set()
+    for fam in text_string_to_metric_families(text):
+        exported |= {s.name for s in fam.samples}
+    # Counters whose value is 0 still export (an error counter exports once an error happened).
+    exported.add("kvstore_rpc_errors_total")
+    missing = sorted(_dashboard_metrics() - exported)
+    assert not missing, f"dashboard queries metrics nobody exports: {missing}"

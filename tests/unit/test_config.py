@@ -310,6 +310,7 @@ SPECIAL = {
     "daemon.ssd_compress": ("off", "off"),
     "client.transport": ("tcp", "tcp"),
     "log.level": ("debug", "debug"),
+    "log.format": ("json", "json"),
 }
 
 
@@ -337,6 +338,10 @@ SPECIAL = {
         (["client.io_threads=0"], "client.io_threads: must be positive"),
         (["client.retries=-1"], "client.retries: must be >= 0"),
         (["log.level=loud"], "log.level: must be one of"),
+        (["log.format=xml"], "log.format: must be one of text, json"),
+        (["meta.metrics_port=-2"], "meta.metrics_port: must be -1 .off."),
+        (["daemon.metrics_port=65536"], "daemon.metrics_port: must be -1 .off."),
+        (["daemon.drain_timeout_s=-1"], "daemon.drain_timeout_s: must be >= 0"),
     ],
 )
 def test_ranges_and_relations_are_checked_at_load_naming_the_key(items, match):

@@ -1470,3 +1470,67 @@ def test_randomized_soak(seed):
     for did in specs:
         assert seg(idx, did).alloc.used == 0
         assert seg(idx, did).blocks == 0
+
+
+# ---- drain, stall grace, and costs that follow the daemon ---------------------------------------
+
+
+def test_drain_drops_the_daemon_and_reports_leases_until_released():
+    idx, clock = make(slots=8)
+    put(idx, 1, 2, 3)
+    r = idx.acquire(pk(1, 2), ttl_s=5.0)
+    blocks, held, wait = idx.drain_daemon("d1")
+    assert (blocks, held) == (3, 1) and 4.9 < wait <= 5.0
+    assert "d1" not in idx.daemons and idx.lookup(pk(1, 2, 3))[0] == 0
+    assert idx.counters["daemons_drained"] == 1
+    # Its blocks leave without tombstones: the daemon keeps them for a warm restart.
+    assert not idx.tombstones.get("d1")
+    # Asked again (the daemon follows its leases): nothing more is dropped.
+    assert idx.drain_daemon("d1")[:2] == (0, 1)
+    idx.release(r.lease_id)
+    assert idx.drain_daemon("d1") == (0, 0, 0.0)
+    idx.check_integrity()
+    # A put now goes nowhere: the daemon takes no more puts.
+    with pytest.raises(Unavailable):
+        idx.put_start(pk(9), [BLK])
+
+
+def test_grace_keeps_daemons_through_a_stall_of_the_service():
+    idx, clock = make()
+    put(idx, 1)
+    clock.advance(idx.limits.daemon_ttl_s + 1)  # the service stood still this long
+    idx.grace(idx.limits.daemon_ttl_s + 1)
+    assert idx.expire()["daemons"] == 0 and "d1" in idx.daemons
+    clock.advance(idx.limits.daemon_ttl_s + 0.1)  # then no heartbeat for a lease: dropped
+    assert idx.expire()["daemons"] == 1
+
+
+def test_losing_a_daemon_touches_only_its_own_replicas():
+    idx, clock = make(slots=64)
+    idx.register_daemon(dspec("d2", slots=64, host="h2"), {})
+    for i in range(40):
+        idx.put_start(pk(i), [BLK], host_id="h1" if i % 2 else "h2")
+    for pid in list(idx.puts):
+        idx.put_commit(pid, [7])
+    pending = idx.put_start(pk(100, 101), [BLK, BLK], host_id="h1")  # reserved on d1, not committed
+    assert all(r.segment.daemon.spec.daemon_id == "d1" for r in pending.placements)
+    d2_keys = [e.key for e in idx.entries.values() if e.replicas[0].segment.daemon.spec.daemon_id == "d2"]
+    assert len(seg(idx, "d1").replicas) == 22 and len(d2_keys) == 20
+    idx._drop_daemon("d1")
+    idx.check_integrity()
+    assert sorted(idx.entries) == sorted(d2_keys)
+    assert idx.put_commit(pending.put_id, [1, 2]) == 0  # its reservations went with the daemon
+    assert idx.lookup(pk(100))[0] == 0
+
+
+def test_expiry_of_many_leases_pops_only_what_expired():
+    idx, clock = make(slots=8)
+    put(idx, 1)
+    leases = [idx.acquire(pk(1), ttl_s=1.0 + i).lease_id for i in range(5)]
+    idx.release(leases[0])  # released early: its heap entry is skipped when it comes up
+    clock.advance(3.5)
+    assert idx.expire()["leases"] == 2  # ttl 2 and 3 ran out; ttl 1 was released
+    assert set(idx.leases) == set(leases[3:])
+    clock.advance(10)
+    assert idx.expire()["leases"] == 2 and not idx.leases and not idx._lease_deadlines
+    idx.check_integrity()
