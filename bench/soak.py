@@ -196,8 +196,8 @@ def main() -> int:
         rss_end = {n: _rss(p.proc.pid) for n, p in servers.items()}
         counters = _scrape(meta.info["metrics_port"])
         dcounters = _scrape(daemon.info["metrics_port"])
-        for p in servers.values():
-            p.stop()
+        daemon.stop()  # the daemon first: its drain tells the service it leaves
+        meta.stop()
     secs = sorted(s for s in timeline if s < seconds)
     ops = [timeline[s]["ops"] for s in secs]
     result.update(

@@ -30,10 +30,20 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+)
 
 log = logging.getLogger("engine.router")
 
@@ -88,54 +98,45 @@ class RequestError(Exception):
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.requests: dict[str, int] = {}
-        self.tokens = {"prompt": 0, "loaded": 0, "cached": 0, "computed": 0, "generated": 0}
-        self.ttft_buckets = [0] * (len(TTFT_BUCKETS) + 1)
-        self.ttft_sum = 0.0
-        self.ttft_count = 0
-        self.tpot_sum = 0.0
-        self.tpot_count = 0
+    """The router's Prometheus metrics (``prometheus-client``, its own registry): requests by
+    status, prompt tokens by where they came from, TTFT and TPOT, workers alive by role."""
+
+    def __init__(self, workers: Callable[[], list[WorkerRef]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._requests = Counter("kvstore_engine_requests", "Requests answered, by HTTP status", ["status"], registry=r)
+        self._tokens = Counter(
+            "kvstore_engine_tokens",
+            "Tokens by kind: prompt, loaded (from kvstore), cached (worker's own cache), computed, generated",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("prompt", "loaded", "cached", "computed", "generated"):
+            self._tokens.labels(kind)
+        self._ttft = Histogram("kvstore_engine_ttft_seconds", "Time to first token", registry=r, buckets=TTFT_BUCKETS)
+        self._tpot = Summary("kvstore_engine_tpot_seconds", "Time per output token after the first", registry=r)
+        self._workers = workers or (lambda: [])
+        gauge = Gauge("kvstore_engine_workers", "Workers by role and state", ["role", "state"], registry=r)
+        for role in ("prefill", "decode", "both"):
+            gauge.labels(role, "alive").set_function(
+                lambda role=role: sum(1 for w in self._workers() if w.role == role and w.alive)
+            )
 
     def request(self, status: str) -> None:
-        self.requests[status] = self.requests.get(status, 0) + 1
+        self._requests.labels(status).inc()
+
+    def tokens(self, kind: str, n: int) -> None:
+        self._tokens.labels(kind).inc(n)
 
     def observe(self, info: dict) -> None:
-        t = info["ttft_ms"] / 1000
-        self.ttft_sum += t
-        self.ttft_count += 1
-        i = next((i for i, b in enumerate(TTFT_BUCKETS) if t <= b), len(TTFT_BUCKETS))
-        self.ttft_buckets[i] += 1
+        self._ttft.observe(info["ttft_ms"] / 1000)
         if info.get("tpot_ms") is not None:
-            self.tpot_sum += info["tpot_ms"] / 1000
-            self.tpot_count += 1
+            self._tpot.observe(info["tpot_ms"] / 1000)
         for k, src in (("loaded", "tokens_loaded"), ("cached", "tokens_cached"), ("computed", "tokens_computed")):
-            self.tokens[k] += info.get(src, 0)
+            self._tokens.labels(k).inc(info.get(src, 0))
 
-    def render(self, workers: list[WorkerRef]) -> str:
-        out = ["# TYPE kvstore_engine_requests_total counter"]
-        out += [f'kvstore_engine_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
-        out.append("# TYPE kvstore_engine_tokens_total counter")
-        out += [f'kvstore_engine_tokens_total{{kind="{k}"}} {n}' for k, n in self.tokens.items()]
-        out.append("# TYPE kvstore_engine_ttft_seconds histogram")
-        acc = 0
-        for b, n in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_buckets):
-            acc += n
-            out.append(f'kvstore_engine_ttft_seconds_bucket{{le="{b}"}} {acc}')
-        out += [
-            f"kvstore_engine_ttft_seconds_sum {self.ttft_sum}",
-            f"kvstore_engine_ttft_seconds_count {self.ttft_count}",
-        ]
-        out.append("# TYPE kvstore_engine_tpot_seconds summary")
-        out += [
-            f"kvstore_engine_tpot_seconds_sum {self.tpot_sum}",
-            f"kvstore_engine_tpot_seconds_count {self.tpot_count}",
-        ]
-        out.append("# TYPE kvstore_engine_workers gauge")
-        for role in ("prefill", "decode", "both"):
-            alive = sum(1 for w in workers if w.role == role and w.alive)
-            out.append(f'kvstore_engine_workers{{role="{role}",state="alive"}} {alive}')
-        return "\n".join(out) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class Router:
@@ -147,7 +148,7 @@ class Router:
         self.cfg = cfg
         self.workers = workers
         self.store_addr = store
-        self.metrics = Metrics()
+        self.metrics = Metrics(lambda: self.workers)
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self.session: aiohttp.ClientSession | None = None
         self.store = None
@@ -402,8 +403,8 @@ class Router:
         info["completion_tokens"] = len(out)
         info["output_ids"] = out
         self.metrics.observe(info)
-        self.metrics.tokens["prompt"] += len(ids)
-        self.metrics.tokens["generated"] += len(out)
+        self.metrics.tokens("prompt", len(ids))
+        self.metrics.tokens("generated", len(out))
         yield "done", info
 
 
@@ -501,7 +502,7 @@ def make_app(router: Router) -> web.Application:
         return web.json_response({"ok": ok, "mode": router.cfg.mode, "workers": ws}, status=200 if ok else 503)
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=router.metrics.render(router.workers), content_type="text/plain")
+        return web.Response(body=router.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)

@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dram", help="DRAM segment size, e.g. 1GiB")
     p.add_argument("--host", help="address to bind and advertise")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any port)")
+    p.add_argument(
+        "--retire",
+        action="store_true",
+        help="on SIGTERM, drain and also remove the DRAM segment (a daemon leaving for good)",
+    )
 
     p = sub.add_parser("stat", help="a table of nodes, tiers, bytes, blocks and hit counters")
     _common(p)
@@ -75,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
             plugin.add_arguments(p)
 
     p = sub.add_parser("bench", help="the benchmark suite: JSON in bench/results, bench/RESULTS.md, PNG plots")
-    p.add_argument("suite", choices=sorted(BENCH_SUITES), help="policy, store, engine, gpu or all")
+    p.add_argument("suite", choices=sorted(BENCH_SUITES), help="policy, store, engine, gpu, soak or all")
     p.add_argument("--quick", action="store_true", help="a small size (each benchmark about a minute on 2 cores)")
     p.add_argument("--log-level", help=argparse.SUPPRESS)
     p.set_defaults(set=[], config=None)
@@ -108,7 +113,8 @@ BENCH_SUITES = {
     "store": ["store_throughput.py", "peers.py", "tier_throughput.py"],
     "engine": ["engine_reuse.py"],
     "gpu": ["gpu_copy.py"],
-    "all": ["policy.py", "store_throughput.py", "peers.py", "tier_throughput.py", "engine_reuse.py"],
+    "soak": ["soak.py"],
+    "all": ["policy.py", "store_throughput.py", "peers.py", "tier_throughput.py", "engine_reuse.py", "soak.py"],
 }
 
 
@@ -153,6 +159,8 @@ def _config(ns: argparse.Namespace) -> Config:
             overrides.append(f"{key}={v}")
     if getattr(ns, "meta", None):
         overrides += [f"daemon.meta={ns.meta}", f"client.meta={ns.meta}"]
+    if getattr(ns, "retire", False):
+        overrides.append("daemon.remove_segment_on_drain=true")
     if ns.cmd == "serve" and getattr(ns, "listen", None):
         overrides.append(f"client.meta={ns.listen}")
     cfg = load_config(ns.config, overrides)

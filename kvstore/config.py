@@ -76,6 +76,9 @@ class DaemonConfig:
     # SIGTERM: stop taking puts, leave the index, serve reads already handed out for at most
     # this long (the service tells how long its leases on our blocks still run), then exit.
     drain_timeout_s: float = 15.0
+    # A daemon retired for good: after its drain it also removes its DRAM segment from
+    # shm_dir (by default the segment stays, so that a restart reattaches it warm).
+    remove_segment_on_drain: bool = False
 
 
 @dataclass

@@ -41,6 +41,10 @@ log = logging.getLogger("kvstore.client")
 _INLINE_COPY_BYTES = 8 << 20
 
 
+# How often a client forgets mappings and connections of daemons that left.
+PRUNE_S = 30.0
+
+
 class PutResult(NamedTuple):
     stored: int  # newly written and committed
     skipped: int  # already stored or being written by someone else (dedup)
@@ -70,6 +74,16 @@ class KVStoreClient:
             max_workers=max(1, self.cfg.io_threads - 1), thread_name_prefix="kvstore-chunk"
         )
         self._pending: set[asyncio.Task] = set()
+        self._pruned_at = time.monotonic()
+
+    def _prune(self) -> None:
+        """Every PRUNE_S: drops shared-memory mappings of segments that are gone or replaced
+        and closes data-port connections idle for that long."""
+        now = time.monotonic()
+        if now - self._pruned_at >= PRUNE_S:
+            self._pruned_at = now
+            self._shm.prune()
+            self._tcp.prune(PRUNE_S)
 
     async def __aenter__(self) -> KVStoreClient:
         return self
@@ -118,6 +132,7 @@ class KVStoreClient:
         if len(buffers) != n:
             raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
         dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+        self._prune()
         t0 = time.monotonic()
         resp = await self._rpc(
             self._stub.Acquire,
@@ -265,6 +280,7 @@ class KVStoreClient:
         for i, s in enumerate(srcs):
             if s.size == 0:
                 raise InvalidArgument(f"buffers[{i}] is empty: blocks must hold at least one byte")
+        self._prune()
         stored = skipped = rejected = no_space = 0
         todo = list(range(n))
         excluded: list[str] = []

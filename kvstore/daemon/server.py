@@ -443,6 +443,10 @@ class CacheDaemon:
             await asyncio.sleep(0.02)
         log.info("event=drained daemon=%s seconds=%.3f leases_left=%d", self.daemon_id, loop.time() - t0, leases)
         await self.stop()
+        if self.cfg.remove_segment_on_drain:
+            # Mappings clients still hold stay valid; the memory is freed when they let go.
+            Path(self.dram.path).unlink(missing_ok=True)
+            log.info("event=segment_removed daemon=%s path=%s", self.daemon_id, self.dram.path)
 
     async def stop(self) -> None:
         """Stops every part, each even if another failed (and logs what failed). Idempotent."""

@@ -19,6 +19,7 @@ from kvstore.extent import HEADER_SIZE, checksum
 class ShmTransport:
     def __init__(self) -> None:
         self._arenas: dict[str, ShmArena] = {}
+        self._inodes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def usable(self, shm_path: str) -> bool:
@@ -31,7 +32,27 @@ class ShmTransport:
                 a = self._arenas.get(shm_path)
                 if a is None or a.size != size:
                     a = self._arenas[shm_path] = ShmArena(shm_path, size)
+                    self._inodes[shm_path] = os.stat(shm_path).st_ino
         return a
+
+    def prune(self) -> int:
+        """Forgets mappings whose file is gone or was replaced (a daemon retired, or its segment
+        recreated). The mapping itself is released once no read in progress holds it."""
+        dropped = 0
+        with self._lock:
+            for path in list(self._arenas):
+                try:
+                    ino = os.stat(path).st_ino
+                except FileNotFoundError:
+                    ino = None
+                if ino != self._inodes.get(path):
+                    del self._arenas[path]
+                    self._inodes.pop(path, None)
+                    dropped += 1
+        return dropped
+
+    def mapped(self) -> int:
+        return len(self._arenas)
 
     @staticmethod
     def read(arena: ShmArena, offset: int, length: int, dest: np.ndarray, csum: int) -> bool:

@@ -1,7 +1,9 @@
 """Cross-host transport: batched READ / WRITE frames to a daemon's data port.
 
 Blocking sockets, meant to run in a worker thread: ``recv_into`` lands payloads straight in the
-caller's buffers. Connections are pooled per daemon address and dropped on any error.
+caller's buffers. Connections are pooled per daemon address and dropped on any error; idle ones
+are closed after ``IDLE_S`` (and beyond ``MAX_IDLE`` per address), so that daemons that left
+do not keep sockets open in every client.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,11 +31,14 @@ from kvstore.transport.frames import (
     recv_exact,
 )
 
+IDLE_S = 30.0
+MAX_IDLE = 16
+
 
 class TcpTransport:
     def __init__(self, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
-        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
 
@@ -40,7 +46,7 @@ class TcpTransport:
         with self._lock:
             pool = self._idle.get(addr)
             if pool:
-                return pool.pop()
+                return pool.pop()[0]
         host, _, port = addr.rpartition(":")
         try:
             s = socket.create_connection((host, int(port)), timeout=self.timeout_s)
@@ -51,7 +57,31 @@ class TcpTransport:
 
     def _give_back(self, addr: str, s: socket.socket) -> None:
         with self._lock:
-            self._idle.setdefault(addr, []).append(s)
+            pool = self._idle.setdefault(addr, [])
+            pool.append((s, time.monotonic()))
+            extra = pool[:-MAX_IDLE] if len(pool) > MAX_IDLE else []
+            del pool[: len(extra)]
+        for old, _t in extra:
+            old.close()
+
+    def prune(self, idle_s: float = IDLE_S) -> int:
+        """Closes connections idle for longer than ``idle_s``; returns how many."""
+        cutoff = time.monotonic() - idle_s
+        stale = []
+        with self._lock:
+            for addr in list(self._idle):
+                pool = self._idle[addr]
+                stale += [s for s, t in pool if t < cutoff]
+                pool[:] = [(s, t) for s, t in pool if t >= cutoff]
+                if not pool:
+                    del self._idle[addr]
+        for s in stale:
+            s.close()
+        return len(stale)
+
+    def idle(self) -> int:
+        with self._lock:
+            return sum(len(p) for p in self._idle.values())
 
     def _request(self, addr: str, op: Op, entries: list[bytes], payloads: Sequence[np.ndarray] = ()):
         """Sends one frame; returns the socket and (WRITE) the per-entry statuses."""
@@ -123,6 +153,6 @@ class TcpTransport:
     def close(self) -> None:
         with self._lock:
             for pool in self._idle.values():
-                for s in pool:
+                for s, _t in pool:
                     s.close()
             self._idle.clear()

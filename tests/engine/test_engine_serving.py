@@ -142,9 +142,17 @@ def test_health_and_metrics(disagg):
 
     h = json.loads(urllib.request.urlopen(disagg.d.url + "/health").read())
     assert h["ok"] and h["mode"] == "disagg" and len(h["workers"]) == 4
+    from prometheus_client.parser import text_string_to_metric_families
+
     m = urllib.request.urlopen(disagg.d.url + "/metrics").read().decode()
-    assert 'kvstore_engine_requests_total{status="200"}' in m
-    assert "kvstore_engine_ttft_seconds_bucket" in m
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(m) for s in f.samples
+    }
+    assert samples[("kvstore_engine_requests_total", (("status", "200"),))] >= 1
+    assert samples[("kvstore_engine_ttft_seconds_count", ())] >= 1
+    assert samples[("kvstore_engine_tokens_total", (("kind", "prompt"),))] > 0
+    alive = sum(v for (n, lbl), v in samples.items() if n == "kvstore_engine_workers" and ("state", "alive") in lbl)
+    assert alive == 4
 
 
 def test_request_over_the_ttft_target_is_refused_early(disagg):

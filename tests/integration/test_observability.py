@@ -228,3 +228,16 @@ def test_liveness_stays_serving_while_readiness_follows_the_service(cluster):
     meta.kill()
     wait_until(lambda: status("") == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10)
     assert status("kvstore.liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_retired_daemon_removes_its_segment_after_the_drain(cluster):
+    import os
+
+    cluster.start_meta()
+    keep = cluster.start_daemon()
+    gone = cluster.start_daemon("daemon.remove_segment_on_drain=true")
+    for p in (keep, gone):
+        p.p.send_signal(signal.SIGTERM)
+        assert p.p.wait(30) == 0
+    assert os.path.exists(keep.info["shm_path"])  # kept for a warm restart
+    assert not os.path.exists(gone.info["shm_path"])
