@@ -39,7 +39,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 
 from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvstore.extent import extent_size
@@ -241,12 +241,28 @@ class Index:
     # ---- daemons ----------------------------------------------------------------------------
 
     def register_daemon(self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> int:
-        """(Re)registers a daemon and adopts its inventory as ready replicas.
+        """(Re)registers a daemon and adopts its inventory as ready replicas, in one go.
 
         Whatever the index held for this daemon before is dropped first: the daemon's word on
         what its segments hold wins. Returns how many inventory items were refused (overlap,
         out of range, a key already stored on another daemon).
         """
+        steps = self.register_daemon_steps(spec, inventory, chunk=0)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def register_daemon_steps(
+        self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem]], chunk: int = 20_000
+    ) -> Generator[None, None, int]:
+        """:meth:`register_daemon` in steps of ``chunk`` inventory items (0: one step), so that
+        a caller can serve other requests between them (a big inventory takes seconds). The
+        daemon is known from the first step, with every extent of its inventory reserved, but
+        takes no puts or moves until the last; its lease is renewed at every step. A second
+        registration of the same daemon meanwhile supersedes this one (which then stops).
+        Bad input raises at the first step, having changed nothing."""
         if not spec.daemon_id:
             raise InvalidArgument("daemon_id must not be empty")
         seg_ids = [s.segment_id for s in spec.segments]
@@ -263,12 +279,15 @@ class Index:
         if spec.daemon_id in self.daemons:
             self._drop_daemon(spec.daemon_id)
         now = self.clock.now()
-        daemon = Daemon(spec, now + self.limits.daemon_ttl_s, now)
+        daemon = Daemon(spec, now + self.limits.daemon_ttl_s, now, adopting=True)
+        self.daemons[spec.daemon_id] = daemon
         rejected = 0
         # Blocks dropped while the daemon could not be told stay dropped (their tombstones
         # are still pending, and go out with its next heartbeat).
         dead = {(t.segment_id, t.key, t.offset, t.gen) for t in self.tombstones.get(spec.daemon_id, ())}
-        # DRAM first, so that an entry's DRAM replica is its first.
+        # Every segment with its inventory's extents reserved first; DRAM first, so that an
+        # entry's DRAM replica is its first.
+        plan = []
         for sspec in sorted(spec.segments, key=lambda s: int(s.tier)):
             align = SEGMENT_ALIGN[sspec.tier]
             items = inventory.get(sspec.segment_id, [])
@@ -278,7 +297,16 @@ class Index:
             )
             seg = Segment(daemon, sspec, next(self._segment_refs), alloc)
             daemon.segments[sspec.segment_id] = seg
+            plan.append((sspec, seg, alloc, items, sizes, accepted))
+        done = 0
+        for sspec, seg, alloc, items, sizes, accepted in plan:
             for it, size, ok in zip(items, sizes, accepted):  # oldest first: LRU order
+                done += 1
+                if chunk and done % chunk == 0:
+                    yield
+                    if self.daemons.get(spec.daemon_id) is not daemon:
+                        return rejected  # superseded, or dropped meanwhile
+                    daemon.deadline = self.clock.now() + self.limits.daemon_ttl_s
                 self._last_gen = max(self._last_gen, it.gen)
                 e = self.entries.get(it.key)
                 clash = e is not None and (
@@ -299,7 +327,7 @@ class Index:
                 rep = self._add_replica(e, seg, it.offset, size, it.length, it.gen)
                 e.complete = True
                 self._make_ready(rep, it.checksum)
-        self.daemons[spec.daemon_id] = daemon
+        daemon.adopting = False
         return rejected
 
     def heartbeat(self, daemon_id: str) -> bool:
@@ -440,7 +468,7 @@ class Index:
         segs = [
             s
             for d in self.daemons.values()
-            if d.spec.daemon_id not in excluded
+            if d.spec.daemon_id not in excluded and not d.adopting
             for s in d.segments.values()
             if s.spec.tier in (Tier.DRAM, Tier.SSD)
         ]
@@ -679,7 +707,7 @@ class Index:
         skip = set(skip)
         later: list[bytes] = []
         for d in self.daemons.values():
-            if d.spec.daemon_id in skip:
+            if d.spec.daemon_id in skip or d.adopting:
                 continue
             dram, ssd = d.tier(Tier.DRAM), d.tier(Tier.SSD)
             if dram is None or ssd is None:
@@ -700,7 +728,7 @@ class Index:
             dram = src.segment.daemon.tier(Tier.DRAM)
             if dram is None:
                 continue
-            if dram.daemon.spec.daemon_id in skip:
+            if dram.daemon.spec.daemon_id in skip or dram.daemon.adopting:
                 later.append(key)
                 continue
             # Promote into the room above the high watermark (halfway to full): the next round of

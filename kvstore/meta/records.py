@@ -178,6 +178,8 @@ class Daemon:
     deadline: float
     last_heartbeat: float
     segments: dict[int, Segment] = field(default_factory=dict)
+    # Its inventory is still being adopted: no puts or moves are placed on it yet.
+    adopting: bool = False
 
     def tier(self, tier: Tier) -> Segment | None:
         for s in self.segments.values():

@@ -53,13 +53,35 @@ def _flags(data: bytes, what: str, count: int | None = None) -> list[bool]:
     return [bool(v) for v in vals]
 
 
+# Inventory items adopted per step of a registration (about 0.1 s of the service's loop).
+ADOPT_CHUNK = 20_000
+
+
+def _inventory(request: meta_pb2.RegisterDaemonRequest) -> dict[int, list[InventoryItem]]:
+    """A registration's inventory, decoded and checked, oldest generation first per segment."""
+    inventory: dict[int, list[InventoryItem]] = {}
+    for inv in request.inventory:
+        keys = unpack_keys(inv.keys)  # raises InvalidArgument on a partial key
+        n = len(keys)
+        offs = unpack(inv.offset, U64, "inventory offset", n)
+        lens = unpack(inv.length, U64, "inventory length", n)
+        sums = unpack(inv.checksum, U64, "inventory checksum", n)
+        gens = unpack(inv.gen, U64, "inventory gen", n)
+        sizes = unpack(inv.size, U64, "inventory size", n) if inv.size else [0] * n
+        items = sorted(zip(gens, keys, offs, lens, sums, sizes))
+        inventory.setdefault(inv.segment_id, []).extend(
+            InventoryItem(k, o, ln, c, sz, g) for g, k, o, ln, c, sz in items
+        )
+    return inventory
+
+
 class MetaServicer:
     def __init__(self, index: Index, link: DaemonLink, allow_clock_skew: bool = False) -> None:
         self.index = index
         self.link = link
         self.allow_clock_skew = allow_clock_skew
 
-    def RegisterDaemon(self, request, context):
+    async def RegisterDaemon(self, request, context):
         info = request.daemon
         for s in info.segments:
             if s.tier not in _TIERS and s.tier != 0:
@@ -74,21 +96,19 @@ class MetaServicer:
                 for s in info.segments
             ),
         )
-        inventory: dict[int, list[InventoryItem]] = {}
-        for inv in request.inventory:
-            keys = unpack_keys(inv.keys)  # raises InvalidArgument on a partial key
-            n = len(keys)
-            offs = unpack(inv.offset, U64, "inventory offset", n)
-            lens = unpack(inv.length, U64, "inventory length", n)
-            sums = unpack(inv.checksum, U64, "inventory checksum", n)
-            gens = unpack(inv.gen, U64, "inventory gen", n)
-            sizes = unpack(inv.size, U64, "inventory size", n) if inv.size else [0] * n
-            items = sorted(zip(gens, keys, offs, lens, sums, sizes))
-            inventory.setdefault(inv.segment_id, []).extend(
-                InventoryItem(k, o, ln, c, sz, g) for g, k, o, ln, c, sz in items
-            )
+        # A big inventory (hundreds of thousands of blocks) is decoded on a thread and adopted
+        # in steps, so that heartbeats and requests are served meanwhile.
+        big = sum(len(inv.keys) for inv in request.inventory) // KEY_BYTES > ADOPT_CHUNK
+        inventory = await asyncio.to_thread(_inventory, request) if big else _inventory(request)
         self.link.requeue(spec.daemon_id)  # tombstones it may not have applied filter its inventory
-        rejected = self.index.register_daemon(spec, inventory)
+        steps = self.index.register_daemon_steps(spec, inventory, chunk=ADOPT_CHUNK)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                rejected = done.value
+                break
+            await asyncio.sleep(0)
         adopted = sum(len(v) for v in inventory.values()) - rejected
         log.info("event=daemon_registered daemon=%s blocks=%d rejected=%d", spec.daemon_id, adopted, rejected)
         lim = self.index.limits

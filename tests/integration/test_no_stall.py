@@ -122,15 +122,16 @@ async def _ok(coro, want) -> bool:  # noqa: ANN001
 
 
 def test_big_arena_scans_and_reregisters_without_lapsing(cluster):
-    """A 2.5 GiB arena holding 2 GiB of blocks: inventory scans with checksums run while the
+    """A 2.5 GiB arena holding 1.9 GiB of blocks: inventory scans with checksums run while the
     service keeps hearing the daemon; after a service restart both daemons re-register (one
-    with 8192 blocks) and neither is dropped."""
+    with 30720 blocks, adopted in steps) and neither is dropped."""
     meta = cluster.start_meta()
     big = cluster.start_daemon(dram="2560MiB", name="big")
     small = cluster.start_daemon(name="small")
     fp = ModelFingerprint("stall", "float16", 2, 2, 64, 16)
-    keys = KeySpace(fp).block_keys(list(range(8192 * 16)))
-    block = 256 << 10
+    n = 30720  # above the service's adoption step (20000): registered in two steps
+    keys = KeySpace(fp).block_keys(list(range(n * 16)))
+    block = 64 << 10
     buf = np.arange(block, dtype=np.uint8)
     with SyncKVStoreClient(cluster.meta_addr) as c:
         for i in range(0, len(keys), 1024):
@@ -144,7 +145,7 @@ def test_big_arena_scans_and_reregisters_without_lapsing(cluster):
                 stub = daemon_pb2_grpc.DaemonControlStub(ch)
                 for _ in range(3):
                     r = stub.GetInventory(daemon_pb2.InventoryRequest(verify=True), timeout=60)
-                    assert sum(len(i.keys) for i in r.inventory) == 8192 * 16
+                    assert sum(len(i.keys) for i in r.inventory) == n * 16
             done.set()
 
         t = threading.Thread(target=scans)
@@ -163,7 +164,7 @@ def test_big_arena_scans_and_reregisters_without_lapsing(cluster):
     cluster.procs.remove(meta)
     cluster.start_meta(listen=addr)
     with SyncKVStoreClient(addr) as c:
-        wait_until(lambda: len(c.stats().daemons) == 2 and c.stats().keys == 8192, timeout=30)
+        wait_until(lambda: len(c.stats().daemons) == 2 and c.stats().keys == n, timeout=30)
         t_end = time.monotonic() + 2 * ttl
         while time.monotonic() < t_end:
             s = c.stats()

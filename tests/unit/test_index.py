@@ -1132,6 +1132,20 @@ def test_demotion_frees_the_dram_source_with_a_tombstone():
     idx.check_integrity()
 
 
+def test_plan_moves_skips_daemons_with_a_batch_under_way_and_keeps_their_promotions():
+    idx = Index(IndexLimits(), FakeClock())
+    ssd = (SegmentSpec(SEG + 1, Tier.SSD, 8 * SSD_ALIGN),)
+    idx.register_daemon(dspec("d1", slots=4, extra=ssd), {})
+    assert idx.plan_moves(skip={"d1"}) == {}
+    put(idx, 0, 1, 2, 3)  # DRAM full, above its high watermark
+    assert idx.plan_moves(skip={"d1"}) == {} and not idx.moves  # skipped: nothing planned or leased
+    (mv,) = idx.plan_moves()["d1"]
+    idx.finish_move(mv.move_id, True)
+    idx.promote_queue[k(3)] = None  # read from SSD: to be promoted
+    assert idx.plan_moves(skip={"d1"}) == {} and k(3) in idx.promote_queue  # kept for later
+    idx.check_integrity()
+
+
 # ---- bad input: typed error naming the problem, nothing changed --------------------------------
 
 
@@ -1534,3 +1548,43 @@ def test_expiry_of_many_leases_pops_only_what_expired():
     clock.advance(10)
     assert idx.expire()["leases"] == 2 and not idx.leases and not idx._lease_deadlines
     idx.check_integrity()
+
+
+def test_registration_in_steps_takes_no_puts_until_adopted_and_can_be_superseded():
+    idx, clock = make(slots=8)  # daemon d1 on host h1
+    inv = _inventory([(i, i * ALIGN, BLK) for i in range(5)], gen0=10)
+    steps = idx.register_daemon_steps(dspec("d2", slots=8, host="h2"), inv, chunk=2)
+    next(steps)  # one step in: part adopted, the daemon known but not placeable
+    assert idx.daemons["d2"].adopting and hits(idx, 0, 1, 2) == 1
+    r = idx.put_start(pk(50), [BLK], host_id="h2")
+    assert r.placements[0].segment.daemon.spec.daemon_id == "d1"  # not on the adopting daemon
+    assert idx.plan_moves() == {}
+    clock.advance(idx.limits.daemon_ttl_s * 0.9)
+    idx.heartbeat("d1")
+    next(steps)  # its lease is renewed at every step
+    clock.advance(idx.limits.daemon_ttl_s * 0.9)
+    idx.heartbeat("d1")
+    assert idx.expire()["daemons"] == 0 and "d2" in idx.daemons
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    assert done.value.value == 0 and not idx.daemons["d2"].adopting and hits(idx, 0, 1, 2, 3, 4) == 5
+    idx.put_abort(r.put_id)
+    idx.check_integrity()
+    # A second registration in the middle of the first supersedes it.
+    first = idx.register_daemon_steps(
+        dspec("d3", slots=8, host="h3"), _inventory([(i, i * ALIGN, BLK) for i in range(10, 15)]), chunk=2
+    )
+    next(first)
+    assert idx.register_daemon(dspec("d3", slots=8, host="h3"), _inventory([(20, 0, BLK)])) == 0
+    with pytest.raises(StopIteration):
+        next(first)
+    assert hits(idx, 20) == 1 and hits(idx, 10) == 0 and hits(idx, 12) == 0
+    idx.check_integrity()
+
+
+def test_bad_registration_in_steps_raises_at_the_first_step_changing_nothing():
+    idx, _ = make()
+    steps = idx.register_daemon_steps(dspec("d2"), {99: []})
+    with pytest.raises(InvalidArgument, match="unknown segment 99"):
+        next(steps)
+    assert "d2" not in idx.daemons
