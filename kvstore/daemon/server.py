@@ -6,8 +6,9 @@
 - Control API (gRPC): ``Info``, ``GetInventory``, ``Move``, and the metadata service's
   ``Commit`` (a put's blocks become committed: the daemon writes their sealed headers or
   journal records) and ``Invalidate`` (committed blocks dropped by the service), plus health
-  checking. Only the daemon writes headers, sealed with its secret (:class:`~kvstore.extent.Sealer`),
-  so its inventory lists exactly the committed, not-dropped blocks.
+  checking, plus gRPC reflection. Only the daemon writes headers, sealed with its secret
+  (:class:`~kvstore.extent.Sealer`), so its inventory lists exactly the committed, not-dropped
+  blocks. The segment operations themselves are :mod:`kvstore.daemon.operations`.
 - Registration: on start, and whenever the metadata service answers a heartbeat with "unknown"
   (it restarted, or our lease lapsed), the daemon registers again with a fresh scan of its
   segments (on a thread: the event loop keeps answering), so the index is rebuilt from what the
@@ -35,14 +36,14 @@ from prometheus_client import CollectorRegistry
 from kvstore.config import DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
+from kvstore.daemon.operations import SegmentOps, dram_inventory
 from kvstore.daemon.ssd import SsdSegment
-from kvstore.errors import InvalidArgument, ResourceExhausted
-from kvstore.extent import HEADER_SIZE, Sealer, checksum, extent_size, scan
-from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.extent import Sealer
+from kvstore.keys import KEY_BYTES
 from kvstore.metrics import DaemonCollector, MetricsHttp
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
 from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2, meta_pb2_grpc
-from kvstore.wire import U8, U32, U64, pack, unpack
+from kvstore.wire import U64, pack
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -50,23 +51,6 @@ DRAM_SEGMENT = 1
 SSD_SEGMENT = 2
 # Consecutive unexpected heartbeat-loop failures after which the daemon reports NOT_SERVING.
 LOOP_FAILURES_UNHEALTHY = 3
-
-
-def _inventory(
-    segment_id: int, arena: ShmArena, sealer: Sealer, verify: bool = True
-) -> tuple[common_pb2.Inventory, int]:
-    found, discarded = scan(arena.array, sealer, verify=verify)
-    return (
-        common_pb2.Inventory(
-            segment_id=segment_id,
-            keys=b"".join(h.key for h in found),
-            offset=pack([h.offset for h in found], U64),
-            length=pack([h.length for h in found], U64),
-            checksum=pack([h.checksum for h in found], U64),
-            gen=pack([h.gen for h in found], U64),
-        ),
-        discarded,
-    )
 
 
 class _Control:
@@ -136,6 +120,9 @@ class CacheDaemon:
         self.counters = dict.fromkeys(
             ("registrations", "heartbeat_failures", "commits", "invalidations", "moves", "moves_failed"), 0
         )
+        # What the service has it do to its segments (commit, invalidate, move).
+        self.ops = SegmentOps(self.segments, self.sealer, self.counters)
+        self.commit, self.invalidate, self.move = self.ops.commit, self.ops.invalidate, self.ops.move
         self.registry = registry or CollectorRegistry()
         self.registry.register(DaemonCollector(self))
         self.metrics = MetricsHttp(self.registry)
@@ -183,7 +170,7 @@ class CacheDaemon:
             self._ssd_recovered = (blocks, discarded)
 
     def inventory(self, verify: bool = True) -> tuple[list[common_pb2.Inventory], int]:
-        inv, discarded = _inventory(DRAM_SEGMENT, self.dram, self.sealer, verify)
+        inv, discarded = dram_inventory(DRAM_SEGMENT, self.dram, self.sealer, verify)
         invs = [inv]
         if self.ssd is not None:
             blocks = self.ssd.inventory()
@@ -208,100 +195,6 @@ class CacheDaemon:
         if self.ssd is None:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
-
-    def move(self, req: daemon_pb2.MoveRequest) -> daemon_pb2.MoveResponse:
-        """Copies blocks between segments; a source that fails its check (key, generation,
-        checksum) is not copied. The copy is written committed, with its own generation."""
-        keys = unpack_keys(req.keys)
-        n = len(keys)
-        cols = (
-            unpack(req.src_segment, U32, "src_segment", n),
-            unpack(req.src_offset, U64, "src_offset", n),
-            unpack(req.dst_segment, U32, "dst_segment", n),
-            unpack(req.dst_offset, U64, "dst_offset", n),
-            unpack(req.length, U64, "length", n),
-            unpack(req.checksum, U64, "checksum", n),
-            unpack(req.src_gen, U64, "src_gen", n),
-            unpack(req.dst_gen, U64, "dst_gen", n),
-        )
-        ok, stored = [], []
-        for key, ss, so, ds, do, length, csum, sgen, dgen in zip(keys, *cols):
-            src, dst = self.segments.get(ss), self.segments.get(ds)
-            size = 0
-            try:
-                if isinstance(src, ShmArena) and isinstance(dst, SsdSegment):
-                    h = self.sealer.parse(src.view, so) if 0 <= so <= src.size - HEADER_SIZE else None
-                    if h is not None and h.key == key and h.gen == sgen and h.length == length:
-                        payload = src.array[so + HEADER_SIZE : so + HEADER_SIZE + length]
-                        if checksum(payload) == csum:
-                            size = dst.write(do, key, payload, csum, dgen)
-                            if dst.commit(do, key, dgen) is None:
-                                size = 0
-                elif isinstance(src, SsdSegment) and isinstance(dst, ShmArena):
-                    if 0 <= do and do + HEADER_SIZE + length <= dst.size:
-                        dst.clear_header(do)
-                        out = dst.array[do + HEADER_SIZE : do + HEADER_SIZE + length]
-                        status, _ = src.read(so, key, length, out=out, gen=sgen)
-                        if status.ok and dst.commit(self.sealer, do, key, length, csum, dgen):
-                            size = extent_size(length)
-            except (OSError, ValueError, ResourceExhausted) as e:
-                log.warning("event=move_failed key=%s reason=%r", key.hex(), str(e))
-            ok.append(int(size > 0))
-            stored.append(size)
-        self.counters["moves"] += sum(ok)
-        self.counters["moves_failed"] += len(ok) - sum(ok)
-        return daemon_pb2.MoveResponse(ok=pack(ok, U8), stored_size=pack(stored, U64))
-
-    def commit(self, req: daemon_pb2.CommitRequest) -> daemon_pb2.CommitResponse:
-        """Makes written blocks committed: a sealed header in DRAM (the writer moved only the
-        payload), a journal record on SSD (the data port wrote it pending)."""
-        keys = unpack_keys(req.keys)
-        n = len(keys)
-        segs = unpack(req.segment, U32, "segment", n)
-        offs = unpack(req.offset, U64, "offset", n)
-        lens = unpack(req.length, U64, "length", n)
-        sums = unpack(req.checksum, U64, "checksum", n)
-        gens = unpack(req.gen, U64, "gen", n)
-        status, stored = [], []
-        for key, seg_id, off, length, csum, gen in zip(keys, segs, offs, lens, sums, gens):
-            seg = self.segments.get(seg_id)
-            st, size = common_pb2.COMMIT_MISMATCH, 0
-            try:
-                if isinstance(seg, ShmArena):
-                    if seg.commit(self.sealer, off, key, length, csum, gen):
-                        st, size = common_pb2.COMMIT_OK, extent_size(length)
-                elif isinstance(seg, SsdSegment):
-                    b = seg.commit(off, key, gen)
-                    if b is not None and b.checksum == csum and b.length == length:
-                        st, size = common_pb2.COMMIT_OK, b.size
-            except ResourceExhausted as e:
-                log.warning("event=commit_no_space key=%s reason=%r", key.hex(), e.message)
-                st = common_pb2.COMMIT_NO_SPACE
-            except OSError as e:
-                log.warning("event=commit_failed key=%s reason=%r", key.hex(), str(e))
-                st = common_pb2.COMMIT_UNAVAILABLE
-            status.append(st)
-            stored.append(size)
-        self.counters["commits"] += status.count(common_pb2.COMMIT_OK)
-        return daemon_pb2.CommitResponse(status=pack(status, U8), stored_size=pack(stored, U64))
-
-    def invalidate(self, invalidations) -> int:  # noqa: ANN001
-        """Drops committed blocks the service dropped, each only if it is still that generation."""
-        cleared = 0
-        for inv in invalidations:
-            seg = self.segments.get(inv.segment_id)
-            keys = unpack_keys(inv.keys) if inv.keys else []
-            offs = unpack(inv.offset, U64, "offset", len(keys))
-            gens = unpack(inv.gen, U64, "gen", len(keys))
-            if seg is None:
-                raise InvalidArgument(f"invalidation names unknown segment {inv.segment_id}")
-            for key, off, gen in zip(keys, offs, gens):
-                if isinstance(seg, ShmArena):
-                    cleared += seg.invalidate(self.sealer, off, key, gen)
-                else:
-                    cleared += seg.invalidate(off, key, gen)
-        self.counters["invalidations"] += cleared
-        return cleared
 
     async def start(self) -> None:
         await asyncio.to_thread(self.recover)
