@@ -17,21 +17,25 @@ from kvstore.wire import U8, U32, U64, pack, unpack
 log = logging.getLogger("kvstore.daemon")
 
 
+def inventory_pb(segment_id: int, blocks: list, with_size: bool = False) -> common_pb2.Inventory:
+    """The inventory message of one segment's committed blocks (anything with key, offset,
+    length, checksum, gen and, ``with_size``, size: extent headers, SSD journal records)."""
+    return common_pb2.Inventory(
+        segment_id=segment_id,
+        keys=b"".join(b.key for b in blocks),
+        offset=pack([b.offset for b in blocks], U64),
+        length=pack([b.length for b in blocks], U64),
+        checksum=pack([b.checksum for b in blocks], U64),
+        gen=pack([b.gen for b in blocks], U64),
+        size=pack([b.size for b in blocks], U64) if with_size else b"",
+    )
+
+
 def dram_inventory(
     segment_id: int, arena: ShmArena, sealer: Sealer, verify: bool = True
 ) -> tuple[common_pb2.Inventory, int]:
     found, discarded = scan(arena.array, sealer, verify=verify)
-    return (
-        common_pb2.Inventory(
-            segment_id=segment_id,
-            keys=b"".join(h.key for h in found),
-            offset=pack([h.offset for h in found], U64),
-            length=pack([h.length for h in found], U64),
-            checksum=pack([h.checksum for h in found], U64),
-            gen=pack([h.gen for h in found], U64),
-        ),
-        discarded,
-    )
+    return inventory_pb(segment_id, found), discarded
 
 
 class SegmentOps:

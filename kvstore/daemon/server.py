@@ -36,14 +36,13 @@ from prometheus_client import CollectorRegistry
 from kvstore.config import DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
-from kvstore.daemon.operations import SegmentOps, dram_inventory
+from kvstore.daemon.operations import SegmentOps, dram_inventory, inventory_pb
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.extent import Sealer
 from kvstore.keys import KEY_BYTES
 from kvstore.metrics import DaemonCollector, MetricsHttp
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
 from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2, meta_pb2_grpc
-from kvstore.wire import U64, pack
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -173,18 +172,7 @@ class CacheDaemon:
         inv, discarded = dram_inventory(DRAM_SEGMENT, self.dram, self.sealer, verify)
         invs = [inv]
         if self.ssd is not None:
-            blocks = self.ssd.inventory()
-            invs.append(
-                common_pb2.Inventory(
-                    segment_id=SSD_SEGMENT,
-                    keys=b"".join(b.key for b in blocks),
-                    offset=pack([b.offset for b in blocks], U64),
-                    length=pack([b.length for b in blocks], U64),
-                    checksum=pack([b.checksum for b in blocks], U64),
-                    gen=pack([b.gen for b in blocks], U64),
-                    size=pack([b.size for b in blocks], U64),
-                )
-            )
+            invs.append(inventory_pb(SSD_SEGMENT, self.ssd.inventory(), with_size=True))
             if self._ssd_recovered is not None:
                 discarded += self._ssd_recovered[1]
         return invs, discarded
