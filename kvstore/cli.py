@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+@functools.cache
 def _plugins() -> dict[str, Any]:
     """Commands installed packages add (entry point group ``kvstore.commands``); one that fails
     to load (its extra is not installed) is left out."""
@@ -155,7 +157,7 @@ def _config(ns: argparse.Namespace) -> Config:
         ("metrics_port", "meta.metrics_port" if ns.cmd in ("serve", "meta") else "daemon.metrics_port"),
     ):
         v = getattr(ns, attr, None)
-        if v or (attr == "metrics_port" and v is not None):
+        if v is not None:
             overrides.append(f"{key}={v}")
     if getattr(ns, "meta", None):
         overrides += [f"daemon.meta={ns.meta}", f"client.meta={ns.meta}"]

@@ -26,7 +26,6 @@ from prometheus_client.exposition import start_http_server
 
 if TYPE_CHECKING:
     from kvstore.daemon.server import CacheDaemon
-    from kvstore.meta.daemons import DaemonLink
     from kvstore.meta.index import Index
 
 # 50 us .. 10 s: a local lookup is ~0.1 ms, a put of a big batch or a tier move seconds.
@@ -106,6 +105,33 @@ def _counter(name: str, doc: str, value: float, labels: dict[str, str] | None = 
     return CounterMetricFamily(name, doc, value=value)
 
 
+def _counters(prefix: str, docs: tuple[tuple[str, str], ...], values: dict, labels: dict[str, str]) -> Iterator[Metric]:
+    """``prefix<name>_total`` for each (name, help) of ``docs``, valued from ``values``."""
+    for name, doc in docs:
+        yield _counter(f"{prefix}{name}_total", doc, values.get(name, 0), labels)
+
+
+# A daemon's own counters (CacheDaemon.counters), exported as kvstore_daemon_<name>_total.
+DAEMON_COUNTERS = (
+    ("registrations", "Registrations with the metadata service (each with a full inventory)"),
+    ("heartbeat_failures", "Heartbeats that failed (service unreachable or an error)"),
+    ("commits", "Blocks committed at the service's request"),
+    ("invalidations", "Blocks dropped at the service's request"),
+    ("moves", "Tier moves carried out"),
+    ("moves_failed", "Tier moves that failed their checks"),
+)
+_SSD_COUNTERS = (
+    ("reads", "SSD blocks read"),
+    ("read_bytes", "SSD payload bytes read"),
+    ("writes", "SSD blocks written"),
+    ("write_bytes", "SSD payload bytes written (before compression)"),
+    ("stored_bytes", "SSD bytes stored (after compression)"),
+    ("compressed", "SSD blocks stored compressed"),
+    ("checksum_failures", "SSD blocks that failed their checksum on read"),
+    ("journal_full", "SSD journal appends refused (journal full)"),
+)
+
+
 def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMetricFamily:
     fam = GaugeMetricFamily(name, doc, labels=list(labels))
     fam.add_metric(list(labels.values()), value)
@@ -152,9 +178,8 @@ _META_COUNTERS = {
 class MetaCollector:
     """The metadata service's state and counters, read at scrape time."""
 
-    def __init__(self, index: Index, link: DaemonLink | None = None) -> None:
+    def __init__(self, index: Index) -> None:
         self.index = index
-        self.link = link
 
     def collect(self) -> Iterator[Metric]:
         idx = self.index
@@ -215,20 +240,11 @@ class DaemonCollector:
         lbl = {"daemon": d.daemon_id}
         yield _gauge(
             "kvstore_daemon_registered",
-            "1 once the metadata service knows this daemon, 0 while not",
-            1.0 if d.registered.is_set() and not d.draining else 0.0,
+            "1 while the metadata service knows this daemon and hears its heartbeats (its readiness), 0 while not",
+            1.0 if d.health.serving else 0.0,
             lbl,
         )
-        c = dict(d.counters)
-        for name, doc in (
-            ("registrations", "Registrations with the metadata service (each with a full inventory)"),
-            ("heartbeat_failures", "Heartbeats that failed (service unreachable or an error)"),
-            ("commits", "Blocks committed at the service's request"),
-            ("invalidations", "Blocks dropped at the service's request"),
-            ("moves", "Tier moves carried out"),
-            ("moves_failed", "Tier moves that failed their checks"),
-        ):
-            yield _counter(f"kvstore_daemon_{name}_total", doc, c.get(name, 0), lbl)
+        yield from _counters("kvstore_daemon_", DAEMON_COUNTERS, dict(d.counters), lbl)
         dp = dict(d.dataport.counters)
         by = CounterMetricFamily(
             "kvstore_daemon_bytes_total", "Payload bytes the daemon moved, by transport and direction",
@@ -254,17 +270,7 @@ class DaemonCollector:
             s = d.ssd
             seg.add_metric([d.daemon_id, "ssd"], s.size)
             sc = dict(s.counters)
-            for name, doc in (
-                ("reads", "SSD blocks read"),
-                ("read_bytes", "SSD payload bytes read"),
-                ("writes", "SSD blocks written"),
-                ("write_bytes", "SSD payload bytes written (before compression)"),
-                ("stored_bytes", "SSD bytes stored (after compression)"),
-                ("compressed", "SSD blocks stored compressed"),
-                ("checksum_failures", "SSD blocks that failed their checksum on read"),
-                ("journal_full", "SSD journal appends refused (journal full)"),
-            ):
-                yield _counter(f"kvstore_daemon_ssd_{name}_total", doc, sc.get(name, 0), lbl)
+            yield from _counters("kvstore_daemon_ssd_", _SSD_COUNTERS, sc, lbl)
             yield _gauge("kvstore_daemon_ssd_journal_bytes", "Size of the SSD journal", s.journal_bytes, lbl)
             yield _gauge(
                 "kvstore_daemon_ssd_recovered_blocks",

@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
 from kvstore.errors import KVStoreError
@@ -136,8 +137,8 @@ def add_service(
     server: grpc.aio.Server, pb2: Any, service_name: str, servicer: Any, registry: CollectorRegistry | None = None
 ) -> None:
     """Registers ``servicer``'s methods for ``service_name`` of the generated module ``pb2``
-    (unary-unary, or unary-stream as in gRPC health's ``Watch``), measured into ``registry``
-    (long-lived streams such as ``Watch`` are counted by their errors only)."""
+    (unary-unary, or unary-stream as in gRPC health's ``Watch``), unary ones measured into
+    ``registry`` (a long-lived stream such as ``Watch`` has no latency worth a histogram)."""
     desc = pb2.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for m in desc.methods:
@@ -163,29 +164,21 @@ class ServerHealth:
     LIVENESS = "kvstore.liveness"
 
     def __init__(self, service: str) -> None:
-        from grpc_health.v1 import health
-
         self.servicer = health.aio.HealthServicer()
         self.names = ("", service)
         self.serving = False
 
     async def set_serving(self, serving: bool) -> None:
-        from grpc_health.v1 import health_pb2
-
         self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self.names:
             await self.servicer.set(name, status)
 
     async def start(self) -> None:
-        from grpc_health.v1 import health_pb2
-
         await self.set_serving(False)
         await self.servicer.set(self.LIVENESS, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self) -> None:
-        from grpc_health.v1 import health_pb2
-
         await self.set_serving(False)
         await self.servicer.set(self.LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
 

@@ -40,7 +40,7 @@ from kvstore.daemon.operations import SegmentOps, dram_inventory, inventory_pb
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.extent import Sealer
 from kvstore.keys import KEY_BYTES
-from kvstore.metrics import DaemonCollector, MetricsHttp
+from kvstore.metrics import DAEMON_COUNTERS, DaemonCollector, MetricsHttp
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
 from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2, meta_pb2_grpc
 
@@ -109,16 +109,13 @@ class CacheDaemon:
         self._stub: meta_pb2_grpc.MetaServiceStub | None = None
         self._hb_task: asyncio.Task | None = None
         self.registered = asyncio.Event()
-        self.registrations = 0
         self._acked_batch = 0
         self.stopping = False
         self.draining = False
         self.health = ServerHealth("kvstore.v1.DaemonControl")
         self._last_contact = 0.0  # loop time of the last answered heartbeat or registration
         self._lease_ttl = 3.0  # the service's daemon lease, learnt at registration
-        self.counters = dict.fromkeys(
-            ("registrations", "heartbeat_failures", "commits", "invalidations", "moves", "moves_failed"), 0
-        )
+        self.counters = dict.fromkeys((name for name, _doc in DAEMON_COUNTERS), 0)
         # What the service has it do to its segments (commit, invalidate, move).
         self.ops = SegmentOps(self.segments, self.sealer, self.counters)
         self.commit, self.invalidate, self.move = self.ops.commit, self.ops.invalidate, self.ops.move
@@ -216,7 +213,6 @@ class CacheDaemon:
         resp = await self._stub.RegisterDaemon(
             meta_pb2.RegisterDaemonRequest(daemon=self.info(), inventory=invs), timeout=30
         )
-        self.registrations += 1
         self.counters["registrations"] += 1
         blocks = sum(len(i.keys) // KEY_BYTES for i in invs)
         log.info(
@@ -227,6 +223,9 @@ class CacheDaemon:
             resp.rejected,
         )
         self._lease_ttl = max(resp.lease_ttl_ms / 1000.0, 0.01)
+        self._last_contact = asyncio.get_running_loop().time()
+        if not self.draining:
+            await self.health.set_serving(True)  # ready before anyone waiting on `registered` looks
         self.registered.set()
         return max(resp.heartbeat_interval_ms / 1000.0, 0.01)
 

@@ -281,7 +281,7 @@ class MetaServer:
         self.index = Index(limits, clock or Clock())
         self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s)
         self.registry = registry or CollectorRegistry()
-        self.registry.register(MetaCollector(self.index, self.link))
+        self.registry.register(MetaCollector(self.index))
         self.metrics = MetricsHttp(self.registry)
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -293,6 +293,7 @@ class MetaServer:
         self._round = asyncio.Lock()
         self.health = ServerHealth("kvstore.v1.MetaService")
         self._failing: dict[str, int] = {}  # background loop -> consecutive failures
+        self._stopping = False
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -343,8 +344,6 @@ class MetaServer:
             if self._failing.pop(name, 0) and not self._failing and not self.health.serving and not self._stopping:
                 log.info("event=healthy loop=%s health=SERVING", name)
                 await self.health.set_serving(True)
-
-    _stopping = False
 
     async def _sweep_round(self, lag: float) -> None:
         # The loop did not run for `lag` seconds (a long call, a paused process): heartbeats
