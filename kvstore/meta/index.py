@@ -923,15 +923,11 @@ class Index:
                 seg.alloc.check_integrity()
                 for key, rep in seg.lru.items():
                     assert rep.live and rep.segment is seg and rep.entry.key == key
-                # Dropped replicas still leased keep their extent until the lease ends (count once).
-                extra = sum(
-                    {
-                        id(r): r.size
-                        for lease in self.leases.values()
-                        for r in lease.replicas
-                        if not r.live and r.segment is seg
-                    }.values()
-                )
+                # Dropped replicas still held keep their extent until released (count once): by a
+                # read lease, or as the source of a tier move in flight.
+                held = [r for lease in self.leases.values() for r in lease.replicas]
+                held += [mv.src for mv in self.moves.values()]
+                extra = sum({id(r): r.size for r in held if not r.live and r.segment is seg}.values())
                 assert seg.alloc.used == per_seg.get(id(seg), 0) + extra, (
                     f"segment {d.spec.daemon_id}/{seg.spec.segment_id}: allocator used {seg.alloc.used} "
                     f"!= replicas {per_seg.get(id(seg), 0)} + released-but-leased {extra}"

@@ -179,8 +179,10 @@ class World:
 
     async def pause_tiering(self) -> None:
         """Holds the tier loop between rounds, so that a comparison across a restart is not
-        disturbed by evictions the (legitimately) full DRAM tier triggers right after it."""
+        disturbed by evictions the (legitimately) full DRAM tier triggers right after it. Moves
+        already handed to the daemon (each daemon's batch runs on its own) finish first."""
         await self.meta._round.acquire()
+        await asyncio.gather(*self.meta._moving.values(), return_exceptions=True)
 
     def resume_tiering(self) -> None:
         self.meta._round.release()

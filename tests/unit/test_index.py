@@ -1132,6 +1132,20 @@ def test_demotion_frees_the_dram_source_with_a_tombstone():
     idx.check_integrity()
 
 
+def test_removing_the_source_of_a_move_in_flight_keeps_its_extent_until_the_move_ends():
+    idx = Index(IndexLimits(), FakeClock())
+    idx.register_daemon(dspec(slots=4, extra=(SegmentSpec(SEG + 1, Tier.SSD, 8 * SSD_ALIGN),)), {})
+    put(idx, 0, 1, 2, 3)
+    (mv,) = idx.plan_moves()["d1"]
+    used = seg(idx).alloc.used
+    assert idx.remove(pk(3)) == 1  # the block goes while the daemon is copying it
+    assert seg(idx).alloc.used == used  # the source extent is still being read: kept
+    idx.check_integrity()  # accounting holds between handlers, with the move in flight
+    idx.finish_move(mv.move_id, True)
+    assert seg(idx).alloc.used == used - mv.src.size and hits(idx, 3) == 0
+    idx.check_integrity()
+
+
 def test_plan_moves_skips_daemons_with_a_batch_under_way_and_keeps_their_promotions():
     idx = Index(IndexLimits(), FakeClock())
     ssd = (SegmentSpec(SEG + 1, Tier.SSD, 8 * SSD_ALIGN),)
