@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import InvalidArgument
+from kvstore.meta.policy import POLICIES
 
 ENV_PREFIX = "KVSTORE_"
 
@@ -37,6 +38,9 @@ class MetaConfig:
     dram_high_watermark: float = 0.9
     dram_low_watermark: float = 0.8
     tier_interval_s: float = 0.05
+    # Eviction, demotion order and admission: "adaptive" (recency or frequency, whichever the
+    # traffic rewards, see kvstore.meta.policy) or "lru" (recency only, every block stored).
+    cache_policy: str = "adaptive"
     move_batch_bytes: int = 64 << 20
     # Deadline of the service's calls to a daemon inside a client's call (commit, tombstones).
     daemon_rpc_timeout_s: float = 5.0
@@ -243,6 +247,7 @@ def validate(cfg: Config) -> None:
         v = getattr(m, key)
         if not (math.isfinite(v) and 0 <= v <= 1):
             raise InvalidArgument(f"meta.{key}: must be a fraction in [0, 1], got {v}")
+    one_of("meta", "cache_policy", POLICIES)
     if m.dram_low_watermark >= m.dram_high_watermark:
         raise InvalidArgument(
             f"meta.dram_low_watermark ({m.dram_low_watermark}) must be below meta.dram_high_watermark "

@@ -151,6 +151,10 @@ _META_COUNTERS = {
     "put_ssd_keys": ("kvstore_meta_put_ssd_keys_total", "Blocks put straight to SSD (DRAM had no room)"),
     "dedup_keys": ("kvstore_meta_dedup_keys_total", "Put keys skipped because they were stored or in flight"),
     "no_space_keys": ("kvstore_meta_no_space_keys_total", "Put keys refused for lack of evictable space"),
+    "not_admitted_keys": (
+        "kvstore_meta_not_admitted_keys_total",
+        "Put keys the cache policy did not store (colder than what they would evict)",
+    ),
     "commit_failed_keys": ("kvstore_meta_commit_failed_keys_total", "Put keys whose daemon did not commit them"),
     "evictions": ("kvstore_meta_evictions_total", "Blocks evicted (their last copy dropped for space)"),
     "evicted_bytes": ("kvstore_meta_evicted_bytes_total", "Bytes of evicted blocks"),
@@ -193,6 +197,17 @@ class MetaCollector:
         yield hits
         yield _counter("kvstore_meta_misses_total", "Keys asked by Acquire that were not hits", c.get("miss_keys", 0))
         yield GaugeMetricFamily("kvstore_meta_keys", "Blocks in the index", value=len(idx.entries))
+        pol = idx.policy.stats()
+        yield GaugeMetricFamily(
+            "kvstore_meta_policy_frequency_mode",
+            f"1 while the {idx.policy.name} cache policy evicts and admits by frequency, 0 by recency",
+            value=pol.get("policy_frequency_mode", 0),
+        )
+        yield _counter(
+            "kvstore_meta_policy_mode_switches_total",
+            "Times the adaptive cache policy changed mode",
+            pol.get("policy_mode_switches", 0),
+        )
         yield GaugeMetricFamily(
             "kvstore_meta_puts_outstanding", "Put reservations not yet committed", value=len(idx.puts)
         )

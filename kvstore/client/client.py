@@ -48,7 +48,7 @@ PRUNE_S = 30.0
 class PutResult(NamedTuple):
     stored: int  # newly written and committed
     skipped: int  # already stored or being written by someone else (dedup)
-    rejected: int  # no space even after eviction
+    rejected: int  # no space even after eviction, or not admitted by the cache policy
 
 
 class KVStoreClient:
@@ -299,7 +299,7 @@ class KVStoreClient:
             )
             status = unpack(resp.status, U8, "status", len(todo))
             skipped += sum(1 for s in status if s in (1, 2))
-            rejected += sum(1 for s in status if s == 3)
+            rejected += sum(1 for s in status if s in (3, 4))  # no space, or not admitted by the policy
             alloc = [todo[k] for k, s in enumerate(status) if s == 0]
             if not alloc:
                 break

@@ -42,6 +42,7 @@ class PutStatus(IntEnum):  # mirrors kvstore.v1.PutStatus
     SKIP_EXISTS = 1
     SKIP_INFLIGHT = 2
     NO_SPACE = 3
+    NOT_ADMITTED = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +120,11 @@ class Replica:
 
 
 class Entry:
-    __slots__ = ("key", "complete", "replicas", "pinned", "put_id", "moving")
+    __slots__ = ("key", "complete", "replicas", "pinned", "put_id", "moving", "freq")
 
     def __init__(self, key: bytes, put_id: int) -> None:
         self.key = key
+        self.freq = 0  # the cache policy's access count (kvstore.meta.policy)
         self.complete = False
         self.replicas: list[Replica] = []
         self.pinned = False
@@ -260,3 +262,5 @@ class IndexLimits:
     # DRAM fill above which the coldest blocks are demoted to SSD, and the fill to demote down to.
     dram_high_watermark: float = 0.9
     dram_low_watermark: float = 0.8
+    # Eviction and admission (kvstore.meta.policy): "adaptive" or "lru".
+    cache_policy: str = "adaptive"

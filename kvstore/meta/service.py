@@ -277,6 +277,7 @@ class MetaServer:
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             dram_high_watermark=cfg.dram_high_watermark,
             dram_low_watermark=cfg.dram_low_watermark,
+            cache_policy=cfg.cache_policy,
         )
         self.index = Index(limits, clock or Clock())
         self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s)

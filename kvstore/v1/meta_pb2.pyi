@@ -14,10 +14,12 @@ class PutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUT_SKIP_EXISTS: _ClassVar[PutStatus]
     PUT_SKIP_INFLIGHT: _ClassVar[PutStatus]
     PUT_NO_SPACE: _ClassVar[PutStatus]
+    PUT_NOT_ADMITTED: _ClassVar[PutStatus]
 PUT_ALLOCATED: PutStatus
 PUT_SKIP_EXISTS: PutStatus
 PUT_SKIP_INFLIGHT: PutStatus
 PUT_NO_SPACE: PutStatus
+PUT_NOT_ADMITTED: PutStatus
 
 class RegisterDaemonRequest(_message.Message):
     __slots__ = ("daemon", "inventory")

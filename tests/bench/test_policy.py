@@ -73,8 +73,20 @@ def test_numbers_are_well_formed(small_result: dict) -> None:
         for p in ("lru", "optimal"):  # both are stack policies: more room never loses a hit
             hits = [r["hits"][p] for r in w["rows"]]
             assert hits == sorted(hits), (name, p, hits)
+        for r in w["rows"]:  # every baseline and kvstore's lru mode are online: none beats MIN
+            for p, h in r["hits"].items():
+                assert h <= r["hits"]["optimal"], (name, p, r)
+            assert r["best_baseline"] in policy.BASELINE_NAMES
+            want = r["hits"]["kvstore"] / r["hits"]["lru"] if r["hits"]["lru"] else 1.0
+            assert r["hit_over_lru"] == pytest.approx(want, abs=1e-4)
     for m in small_result["missed"]:
-        assert m["target"] in ("hit_over_optimal", "hit_rate > lru_hit_rate")
+        assert m["target"].startswith(("trace_hit_over_lru_", ">= best baseline", ">= LRU - ")), m
+    for c in policy.TRACE_OVER_LRU_TARGETS:
+        field = f"trace_hit_over_lru_{c // 1000}k"
+        row = next((r for r in small_result["workloads"]["trace"]["rows"] if r["capacity"] == c), None)
+        assert (field in small_result) == (row is not None)
+        if row is not None:
+            assert small_result[field] == row["hit_over_lru"]
 
 
 def test_report_renders(small_result: dict, tmp_path: Path) -> None:

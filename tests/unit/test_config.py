@@ -306,6 +306,7 @@ def test_every_field_is_settable_by_override():
 SPECIAL = {
     "meta.dram_high_watermark": ("0.95", 0.95),
     "meta.dram_low_watermark": ("0.15", 0.15),
+    "meta.cache_policy": ("lru", "lru"),
     "daemon.ssd_durability": ("durable", "durable"),
     "daemon.ssd_compress": ("off", "off"),
     "client.transport": ("tcp", "tcp"),
@@ -334,6 +335,7 @@ SPECIAL = {
         (["daemon.dram_bytes=0"], "daemon.dram_bytes: must be positive"),
         (["daemon.data_port=70000"], "daemon.data_port: must be a port number"),
         (["daemon.ssd_durability=sometimes"], "daemon.ssd_durability: must be one of fast, durable"),
+        (["meta.cache_policy=random"], "meta.cache_policy: must be one of adaptive, lru"),
         (["client.transport=carrier-pigeon"], "client.transport: must be one of auto, shm, tcp"),
         (["client.io_threads=0"], "client.io_threads: must be positive"),
         (["client.retries=-1"], "client.retries: must be >= 0"),

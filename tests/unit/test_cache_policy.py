@@ -1,0 +1,231 @@
+"""The index's cache policy (kvstore.meta.policy) driven through the real Index: the invariants
+of the frequency mode (never evicts what is leased, pinned or being written; a chain's tail
+before its head; admission in chain order; bounded history), the mode choice, and aging."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore.meta import policy as pol
+from kvstore.meta.index import Index, IndexLimits, PutStatus
+from tests.unit.test_index import BLK, FakeClock, dspec, k, pk, seg
+
+ALLOCATED = PutStatus.ALLOCATED
+NOT_ADMITTED = PutStatus.NOT_ADMITTED
+
+
+def make(slots: int = 8, policy: str = "adaptive", frequency: bool | None = None) -> Index:
+    idx = Index(IndexLimits(cache_policy=policy), FakeClock())
+    idx.register_daemon(dspec(slots=slots), {})
+    if frequency is not None:
+        idx.policy._mode = frequency  # pin the mode: these tests are about what each mode does
+        idx.policy._duel = lambda keys: None  # type: ignore[method-assign]
+    return idx
+
+
+def read(idx: Index, *ids: int) -> int:
+    """A request's read: acquire the chain (counted by the policy), release."""
+    got = idx.acquire(pk(*ids))
+    if got.lease_id:
+        idx.release(got.lease_id)
+    return got.hit_count
+
+
+def store(idx: Index, *ids: int, check: bool = True) -> list[int]:
+    r = idx.put_start(pk(*ids), [BLK] * len(ids))
+    n = r.status.count(ALLOCATED)
+    if n:
+        assert idx.put_commit(r.put_id, [7] * n) == n
+    if check:
+        idx.check_integrity()
+    return list(r.status)
+
+
+def request(idx: Index, *ids: int, check: bool = True) -> int:
+    h = read(idx, *ids)
+    store(idx, *ids, check=check)
+    return h
+
+
+def test_policy_is_chosen_by_configuration():
+    assert make(policy="lru").policy.name == "lru"
+    assert make().policy.name == "adaptive"
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        Index(IndexLimits(cache_policy="random"))
+
+
+def test_frequency_mode_admits_only_blocks_hotter_than_the_victim():
+    idx = make(slots=4, frequency=True)
+    for _ in range(3):
+        request(idx, 0, 1, 2, 3)  # a hot chain fills the segment, counted 3 times
+    # A new chain seen once: colder than anything it would evict, so it is declined, in chain
+    # order, and that is not an error.
+    read(idx, 10, 11)
+    assert store(idx, 10, 11) == [NOT_ADMITTED, NOT_ADMITTED]
+    assert k(10) not in idx.entries and read(idx, 0, 1, 2, 3) == 4
+    assert idx.counters["not_admitted_keys"] == 2 and idx.counters["evictions"] == 0
+    # Seen often enough, it earns its place: it displaces the least counted block, which is
+    # the hot chain's tail (its head is counted as often, and more recent).
+    for _ in range(5):
+        read(idx, 10)
+    assert store(idx, 10) == [ALLOCATED]
+    assert k(3) not in idx.entries and read(idx, 0, 1, 2) == 3
+
+
+def test_lru_mode_and_lru_policy_admit_everything():
+    for idx in (make(slots=4, policy="lru"), make(slots=4, frequency=False)):
+        for _ in range(3):
+            request(idx, 0, 1, 2, 3)
+        read(idx, 10, 11)
+        assert store(idx, 10, 11) == [ALLOCATED, ALLOCATED]
+        assert read(idx, 0, 1) == 2 and read(idx, 2) == 0  # the chain's tail went first
+
+
+def test_a_declined_block_stops_the_rest_of_the_put():
+    idx = make(slots=4, frequency=True)
+    for _ in range(2):
+        request(idx, 0, 1, 2, 3)
+    for _ in range(4):
+        read(idx, 20, 21)  # 20 and 21 are hot, 22 is not
+    read(idx, 22)
+    st = store(idx, 22, 20, 21)
+    assert st == [NOT_ADMITTED, NOT_ADMITTED, NOT_ADMITTED]
+
+
+@pytest.mark.parametrize("frequency", [False, True])
+def test_never_evicts_leased_pinned_or_unwritten_blocks(frequency: bool):
+    rng = random.Random(5)
+    idx = make(slots=6, frequency=frequency)
+    for _ in range(4):
+        request(idx, 0, 1, 2, 3, 4, 5)
+    lease = idx.acquire(pk(0, 1))  # leased
+    idx.pin(pk(2))  # pinned
+    pending = idx.put_start(pk(30), [BLK])  # being written (no room: evicts 5, the tail)
+    assert pending.status in ([ALLOCATED], [NOT_ADMITTED])
+    protected = {k(0), k(1), k(2)} | ({k(30)} if pending.status == [ALLOCATED] else set())
+    for i in range(200):
+        ids = [100 + rng.randrange(40) for _ in range(rng.randrange(1, 4))]
+        for _ in range(rng.randrange(1, 6)):
+            read(idx, *ids)
+        try:
+            store(idx, *dict.fromkeys(ids))
+        except Exception as e:  # every evictable block is protected: ResourceExhausted
+            assert type(e).__name__ == "ResourceExhausted", e
+        assert protected <= set(idx.entries), f"step {i}: a protected block was evicted"
+        idx.check_integrity()
+    idx.release(lease.lease_id)
+    if pending.status == [ALLOCATED]:
+        idx.put_abort(pending.put_id)
+    idx.check_integrity()
+
+
+def test_frequency_mode_takes_a_chain_tail_before_its_head():
+    idx = make(slots=8, frequency=True)
+    request(idx, 0, 1, 2, 3, 4, 5, 6, 7)
+    request(idx, 0, 1, 2, 3, 4, 5, 6, 7)
+    order = []
+    for n in range(8):  # a hotter block each time displaces one block
+        for _ in range(4 + n):
+            read(idx, 50 + n)
+        assert store(idx, 50 + n) == [ALLOCATED]
+        order += [i for i in range(8) if k(i) not in idx.entries and i not in order]
+    assert order == [7, 6, 5, 4, 3, 2, 1, 0]
+
+
+def test_demotion_order_follows_the_mode():
+    reps = []
+    idx = make(slots=8, frequency=True)
+    request(idx, 0, 1, 2)
+    for _ in range(5):
+        read(idx, 0)
+    read(idx, 1)
+    reps = list(seg(idx).lru.values())  # least recent first: 2, 1, 0
+    order = idx.policy.demotion_order(iter(reps), 3 * reps[0].size)
+    assert [r.entry.key for r in order] == [k(2), k(1), k(0)]
+    idx.policy._mode = False
+    order = idx.policy.demotion_order(iter(reps), 2 * reps[0].size)
+    assert [r.entry.key for r in order] == [r.entry.key for r in reps[:2]]
+
+
+def test_history_is_bounded():
+    idx = make(slots=4)
+    limit = pol.HISTORY_FACTOR * pol.MIN_POPULATION
+    for i in range(0, 3 * limit, 64):
+        idx.acquire(b"".join((10**6 + j).to_bytes(16, "big") for j in range(i, i + 64)))
+        assert len(idx.policy.history) <= limit
+    assert len(idx.policy.history) == limit
+    # The shadows are bounded too.
+    assert len(idx.policy._lru.d) <= idx.policy._lru.capacity
+    assert len(idx.policy._lfu.d) <= idx.policy._lfu.capacity
+    assert len(idx.policy._lfu.history) <= pol.HISTORY_FACTOR * idx.policy._lfu.capacity
+
+
+def test_counts_age_by_halving_each_epoch():
+    idx = make(slots=4)
+    request(idx, 0)
+    for _ in range(9):
+        read(idx, 0)
+    assert idx.policy.count(k(0)) == 10
+    idx.policy.epoch += 1
+    assert idx.policy.count(k(0)) == 5
+    idx.policy.epoch += 3
+    assert idx.policy.count(k(0)) == 0
+    read(idx, 0)
+    assert idx.policy.count(k(0)) == 1
+    # A block that leaves the index keeps its count in the history, and gets it back.
+    for _ in range(3):
+        read(idx, 0)
+    idx.remove(pk(0))
+    assert k(0) not in idx.entries and idx.policy.count(k(0)) == 4
+    store(idx, 0)
+    assert idx.policy.count(k(0)) == 4
+
+
+def test_epochs_advance_with_accesses():
+    idx = make(slots=4)
+    before = idx.policy.epoch
+    period = pol.AGE_FACTOR * pol.MIN_POPULATION
+    keys = pk(*range(64))
+    for _ in range(period // 64 + 1):
+        idx.acquire(keys)
+    assert idx.policy.epoch == before + 1
+
+
+def _one_shot_scans_with_a_hot_set(idx: Index, rounds: int, rng: random.Random) -> int:
+    """Traffic where frequency wins: a hot set read again and again, between long chains
+    that are never read again."""
+    hits = 0
+    fresh = 10**6
+    for _ in range(rounds):
+        hot = rng.randrange(200)
+        hits += request(idx, 5000 + hot, check=False)
+        fresh += 40
+        request(idx, *range(fresh, fresh + 40), check=False)
+    return hits
+
+
+def _recent_loops(idx: Index, rounds: int) -> int:
+    """Traffic where recency wins: each chain is read again right after it is written."""
+    hits = 0
+    for r in range(rounds):
+        ids = range(10_000 + 10 * r, 10_000 + 10 * r + 10)
+        for _ in range(3):
+            hits += request(idx, *ids, check=False)
+    return hits
+
+
+def test_the_mode_follows_what_the_traffic_rewards():
+    rng = random.Random(1)
+    freq = make(slots=400)
+    got = _one_shot_scans_with_a_hot_set(freq, 1500, rng)
+    assert freq.policy.frequency_mode
+    lru = make(slots=400, policy="lru")
+    base = _one_shot_scans_with_a_hot_set(lru, 1500, random.Random(1))
+    assert got > 1.5 * base, (got, base)
+    rec = make(slots=400)
+    _recent_loops(rec, 400)
+    assert not rec.policy.frequency_mode
+    assert _recent_loops(rec, 50) == _recent_loops(make(slots=400, policy="lru"), 50)
+    freq.check_integrity()
