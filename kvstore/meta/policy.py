@@ -21,11 +21,14 @@ Two policies, chosen by ``meta.cache_policy``:
   of 10 x the cache size), lazily, by an epoch stamp, so aging costs nothing up front.
 
   The mode is chosen by *dueling* (Qureshi et al., ISCA 2007; the regret idea of LeCaR,
-  Vietri et al., HotStorage 2018): two small shadow caches of ``SHADOW_BLOCKS`` blocks, one per
-  mode, replay a hash-sampled 1 in S of the keys (S = blocks indexed / ``SHADOW_BLOCKS``); their
-  hits, decayed with a half-life of one shadow's size in sampled accesses, pick the mode. Recency
-  wins on traffic whose reuse is recent (chat, document QA); frequency wins where most blocks are
-  used once and a few prefixes are used by many (production conversation traces).
+  Vietri et al., HotStorage 2018): two shadow caches, one per mode, replay a hash-sampled 1 in S
+  of the keys (spatial sampling as in SHARDS, Waldspurger et al., FAST 2015; S = blocks indexed /
+  ``SHADOW_BLOCKS``, so each shadow holds about ``SHADOW_BLOCKS`` blocks) and count their prefix
+  hits on those keys, decayed with a half-life of ``AGE_FACTOR`` x a shadow's size in sampled
+  accesses (the window the counts age over). Frequency mode, which declines blocks, is entered
+  when its shadow earns ``MARGIN`` more than recency's and left when it earns less. Recency wins
+  on traffic whose reuse is recent (chat, document QA); frequency wins where most blocks are used
+  once and a few prefixes are used by many (production conversation traces).
 
 Chain order in both modes: a request's blocks are touched tail first, so among equal counts the
 tail is older; a descendant is never counted more than its ancestors (every request that reads
@@ -268,7 +271,7 @@ class AdaptivePolicy(LruPolicy):
         sampled = [k for k in keys if _sample_of(k, s)]
         if not sampled:
             return
-        decay = 0.5 ** (len(sampled) / size)
+        decay = 0.5 ** (len(sampled) / (AGE_FACTOR * size))
         self._hits_lfu = self._hits_lfu * decay + self._lfu.access(sampled)
         self._hits_lru = self._hits_lru * decay + self._lru.access(sampled)
         # Hysteresis: frequency mode (which declines blocks) is entered only when its shadow
