@@ -83,6 +83,13 @@ class DaemonConfig:
     # A daemon retired for good: after its drain it also removes its DRAM segment from
     # shm_dir (by default the segment stays, so that a restart reattaches it warm).
     remove_segment_on_drain: bool = False
+    # Data port bounds, so that no peer can make the daemon hold threads or memory at will:
+    # connections served at once (more are closed at accept), seconds a connection may sit
+    # idle or stall mid-frame before it is closed (above the client's 30 s idle pruning), and
+    # the largest block a frame may carry (checked before anything is allocated).
+    data_max_connections: int = 512
+    data_idle_timeout_s: float = 300.0
+    max_block_bytes: int = 1 << 30
 
 
 @dataclass
@@ -254,6 +261,8 @@ def validate(cfg: Config) -> None:
             f"({m.dram_high_watermark})"
         )
     positive("daemon", "dram_bytes")
+    for key in ("data_max_connections", "data_idle_timeout_s", "max_block_bytes"):
+        positive("daemon", key)
     positive("daemon", "ssd_bytes", allow_zero=True)
     for key in ("data_port", "control_port"):
         v = getattr(d, key)

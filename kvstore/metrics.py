@@ -279,6 +279,18 @@ class DaemonCollector:
             "kvstore_daemon_bad_frames_total", "Data-port frames refused as malformed", dp.get("bad_frames", 0), lbl
         )
         yield _gauge("kvstore_daemon_dataport_connections", "Open data-port connections", d.dataport.connections, lbl)
+        yield _counter(
+            "kvstore_daemon_dataport_refused_connections_total",
+            "Data-port connections closed at accept: daemon.data_max_connections were open",
+            dp.get("refused_connections", 0),
+            lbl,
+        )
+        yield _counter(
+            "kvstore_daemon_dataport_idle_closed_total",
+            "Data-port connections closed after daemon.data_idle_timeout_s idle or stalled",
+            dp.get("idle_closed", 0),
+            lbl,
+        )
         seg = GaugeMetricFamily("kvstore_daemon_segment_bytes", "Segment size", labels=["daemon", "tier"])
         seg.add_metric([d.daemon_id, "dram"], d.dram.size)
         if d.ssd is not None:

@@ -5,6 +5,13 @@ One thread per connection with blocking sockets: ``recv_into`` the arena and ``s
 it release the GIL, so the kernel copy is the only copy. Frames are validated whole before any
 byte is applied; a bad frame gets its reason back and the connection is closed.
 
+Bounds, so that a peer cannot make the daemon hold threads or memory at will: at most
+``max_connections`` connections are served at once (more are closed as they are accepted);
+a connection idle, or stalled mid-frame, for ``idle_timeout_s`` is closed; no entry may carry
+more than ``max_block_bytes``; an SSD read is served (and its staging buffer sized) only for a
+committed block of that offset, key, length and generation, so a frame's lengths never size an
+allocation beyond what the daemon stores.
+
 A WRITE only lands payload bytes (DRAM: into the extent, after clearing its header; SSD: a
 pending block); the block is stored only when the metadata service commits the put. A READ is
 served only from a committed block of the named key and generation.
@@ -48,18 +55,38 @@ class FrameError(Exception):
     pass
 
 
+def _ssd_ref(entry: tuple) -> tuple[int, bytes, int, int]:
+    key, _s, _r, off, length, _c, gen = entry
+    return off, key, length, gen
+
+
 class DataPort:
     """Serves the segments returned by ``segments()`` (segment_id -> arena) on a TCP port."""
 
-    def __init__(self, host: str, port: int, segments: Callable[[], dict], sealer: Sealer) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        segments: Callable[[], dict],
+        sealer: Sealer,
+        max_connections: int = 512,
+        idle_timeout_s: float = 300.0,
+        max_block_bytes: int = 1 << 30,
+    ) -> None:
         self._segments = segments
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.max_block_bytes = max_block_bytes
         self._sealer = sealer
         self._sock = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self.counters = {"reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "bad_frames": 0}
+        self.counters = {
+            "reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "bad_frames": 0,
+            "refused_connections": 0, "idle_closed": 0,
+        }  # fmt: skip
         self.active = 0  # requests being served (a drain waits for 0)
         self._local = threading.local()
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dataport-io")
@@ -92,9 +119,17 @@ class DataPort:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self.counters["refused_connections"] += 1
+                log.warning("event=connection_refused reason=limit limit=%d", self.max_connections)
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.idle_timeout_s)
             threading.Thread(target=self._serve, args=(conn,), name="dataport-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -134,6 +169,8 @@ class DataPort:
                 finally:
                     with self._lock:
                         self.active -= 1
+        except TimeoutError:
+            self.counters["idle_closed"] += 1
         except (ConnectionError, OSError):
             pass
         finally:
@@ -152,6 +189,8 @@ class DataPort:
                 raise FrameError(
                     f"entry {i}: extent offset {off} length {length} is outside segment {seg_id} of {arena.size} bytes"
                 )
+            if length > self.max_block_bytes:
+                raise FrameError(f"entry {i}: length {length} is over the block limit of {self.max_block_bytes} bytes")
             arenas.append(arena)
         return arenas
 
@@ -161,7 +200,11 @@ class DataPort:
         # SSD blocks are read ahead on the I/O pool (direct reads, verified there) while earlier
         # ones are being sent: the disk and the socket work at the same time.
         ahead: dict[int, Future] = {}
-        ssd_idx = [i for i, seg in enumerate(arenas) if isinstance(seg, SsdSegment)]
+        # Only committed blocks are read from SSD: the others are a miss before any buffer is sized.
+        ssd_idx = [
+            i for i, seg in enumerate(arenas) if isinstance(seg, SsdSegment) and seg.holds(*_ssd_ref(entries[i]))
+        ]
+        ssd_set = set(ssd_idx)
         longest = max((entries[i][4] for i in ssd_idx), default=0)
         sealer = self._sealer
         ring = self._ring(SsdSegment.staging_bytes(longest) if longest else 0, READ_AHEAD + 1)
@@ -178,7 +221,9 @@ class DataPort:
 
         done_ssd = 0
         for i, ((key, _s, _r, off, length, _c, gen), seg) in enumerate(zip(entries, arenas)):
-            if isinstance(seg, SsdSegment):
+            if isinstance(seg, SsdSegment) and i not in ssd_set:
+                status, payload = EntryStatus.MISMATCH, None
+            elif isinstance(seg, SsdSegment):
                 submit_upto(done_ssd + READ_AHEAD)
                 st, payload = ahead.pop(i).result()
                 done_ssd += 1

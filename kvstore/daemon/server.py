@@ -101,7 +101,15 @@ class CacheDaemon:
                 sealer=self.sealer,
             )
             self.segments[SSD_SEGMENT] = self.ssd
-        self.dataport = DataPort(cfg.host, cfg.data_port, lambda: self.segments, self.sealer)
+        self.dataport = DataPort(
+            cfg.host,
+            cfg.data_port,
+            lambda: self.segments,
+            self.sealer,
+            max_connections=cfg.data_max_connections,
+            idle_timeout_s=cfg.data_idle_timeout_s,
+            max_block_bytes=cfg.max_block_bytes,
+        )
         self.control = _Control(self)  # served over gRPC; called directly by an in-process service
         self.control_port = 0
         self._server: grpc.aio.Server | None = None

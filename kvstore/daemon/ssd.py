@@ -333,6 +333,12 @@ class SsdSegment:
         self.counters["read_bytes"] += length
         return ReadStatus(True, ""), dest
 
+    def holds(self, offset: int, key: bytes, length: int, gen: int) -> bool:
+        """Whether the committed block at ``offset`` is (``key``, ``gen``) of ``length`` raw
+        bytes: a read is worth a buffer only then."""
+        b = self._live.get(offset)
+        return b is not None and b.key == key and b.length == length and b.gen == gen
+
     @staticmethod
     def staging_bytes(length: int) -> int:
         """Size of a staging buffer that :meth:`read` can use for a block of ``length`` bytes."""
