@@ -149,12 +149,16 @@ class KVStoreClient:
                 raise InvalidArgument(f"buffers[{i}] holds {dests[i].size} bytes but block {i} is {p.length} bytes")
         key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(hit)]
         total = sum(p.length for p in places)
-        if total > _INLINE_COPY_BYTES:
-            loaded, corrupt = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._read_run, key_list, places, dests, deadline
-            )
-        else:
-            loaded, corrupt = self._read_run(key_list, places, dests, deadline)
+        try:
+            if total > _INLINE_COPY_BYTES:
+                loaded, corrupt = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._read_run, key_list, places, dests, deadline
+                )
+            else:
+                loaded, corrupt = self._read_run(key_list, places, dests, deadline)
+        except BaseException:
+            self._release(resp.lease_id, [])  # the lease goes now, not at its deadline
+            raise
         self._release(resp.lease_id, corrupt)
         return loaded
 

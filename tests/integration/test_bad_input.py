@@ -193,3 +193,22 @@ def test_unknown_config_key_is_refused_by_name(tmp_path):
         [sys.executable, "-m", "kvstore.cli", "daemon", "--config", str(cfg)], capture_output=True, cwd=REPO, timeout=60
     )
     assert r.returncode == 2 and b"unknown config key daemon.dram" in r.stderr
+
+
+def test_a_client_that_raises_mid_call_releases_its_lease_and_aborts_its_put(loaded):
+    with SyncKVStoreClient(loaded.meta_addr) as c:
+        inner = c._client
+
+        def boom(*_a, **_k):  # noqa: ANN002, ANN003
+            raise RuntimeError("the caller's buffer went away")
+
+        inner._read_run, inner._write_all = boom, boom  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            c.get_into(KEYS[:4], [np.zeros(5000, np.uint8) for _ in range(4)])
+        with pytest.raises(RuntimeError):
+            c.put(KS.block_keys(np.arange(1000, 1032))[:2], [np.ones(5000, np.uint8)] * 2)
+    # Both went at once (the lease TTL is 10 s and the put deadline 30 s: far longer than this).
+    with SyncKVStoreClient(loaded.meta_addr) as c:
+        s = c.stats()
+        assert s.active_leases == 0 and s.pending_puts == 0
+    assert_unchanged(loaded.meta_addr)
