@@ -34,7 +34,7 @@ from kvstore.errors import KVStoreError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML file with sections meta, daemon, client, log")
+    p.add_argument("--config", help="YAML file with sections meta, daemon, client, log, tls")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting")
     p.add_argument("--log-level", help="debug, info, warning, error")
     p.add_argument("--log-format", choices=("text", "json"), help="text (key=value) or one JSON object per line")
@@ -79,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
             p = sub.add_parser(name, help=plugin.help)
             _common(p)
             plugin.add_arguments(p)
+
+    p = sub.add_parser("certs", help="make a CA and mutual-TLS certificates for a test cluster (see tls.* settings)")
+    p.add_argument("--out", required=True, help="folder for ca.pem, ca.key, NAME.pem, NAME.key")
+    p.add_argument("--name", action="append", help="an identity to certify (repeatable; default meta, daemon, client)")
+    p.add_argument("--server-name", default="kvstore", help="the name clients check (tls.server_name)")
+    p.add_argument("--days", type=int, default=365)
+    p.set_defaults(set=[], config=None, log_level=None, log_format=None)
 
     p = sub.add_parser("bench", help="the benchmark suite: JSON in bench/results, bench/RESULTS.md, PNG plots")
     p.add_argument("suite", choices=sorted(BENCH_SUITES), help="policy, store, engine, gpu, soak or all")
@@ -195,7 +202,7 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
     info: dict[str, object] = {}
     try:
         if with_meta:
-            meta = MetaServer(cfg.meta)
+            meta = MetaServer(cfg.meta, tls=cfg.tls)
             port = await meta.start()
             host = cfg.meta.listen.rpartition(":")[0] or "127.0.0.1"
             info["meta"] = f"{host}:{port}"
@@ -206,7 +213,7 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
         if with_daemon:
             if meta is not None:  # one process: one /metrics for both, the service's
                 cfg.daemon.metrics_port = -1
-            daemon = CacheDaemon(cfg.daemon, registry=meta.registry if meta is not None else None)
+            daemon = CacheDaemon(cfg.daemon, registry=meta.registry if meta is not None else None, tls=cfg.tls)
             if meta is not None:  # one process: the service calls the daemon directly
                 meta.link.attach_local(daemon.daemon_id, daemon)
             await daemon.start()
@@ -245,7 +252,7 @@ def _stat(cfg: Config, as_json: bool) -> int:
 
     from kvstore.client import SyncKVStoreClient
 
-    with SyncKVStoreClient(config=cfg.client) as c:
+    with SyncKVStoreClient(config=cfg.client, tls=cfg.tls) as c:
         s = c.stats()
     if as_json:
         print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=2))
@@ -294,6 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _stat(cfg, ns.json)
         elif ns.cmd == "bench":
             return _bench(ns.suite, ns.quick)
+        elif ns.cmd == "certs":
+            from kvstore.certs import DEFAULT_NAMES, make
+
+            files = make(ns.out, tuple(ns.name or DEFAULT_NAMES), ns.server_name, ns.days)
+            for name, path in files.items():
+                print(f"{name}: {path}" + ("" if name == "ca" else f" (key {path.with_suffix('.key')})"))
+            return 0
         elif ns.cmd == "demo":
             plugin = None if ns.store_only else _plugins().get("demo")
             rc = plugin.run(ns, cfg) if plugin is not None else None

@@ -18,6 +18,8 @@ from typing import Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.meta.policy import POLICIES
+from kvstore.tls import TlsConfig
+from kvstore.tls import validate as validate_tls
 
 ENV_PREFIX = "KVSTORE_"
 
@@ -121,6 +123,8 @@ class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # Mutual TLS for every server and connection of this process (kvstore.tls).
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -227,6 +231,7 @@ def load_config(
 
 def validate(cfg: Config) -> None:
     """Checks ranges and relations between keys. Raises InvalidArgument naming the key."""
+    validate_tls(cfg.tls)
 
     def positive(section: str, key: str, allow_zero: bool = False) -> None:
         v = getattr(getattr(cfg, section), key)

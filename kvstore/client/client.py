@@ -29,6 +29,8 @@ from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Una
 from kvstore.extent import checksum
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.rpc import GRPC_OPTIONS
+from kvstore.tls import TlsConfig, aio_channel, client_context
+from kvstore.tls import validate as tls_validate
 from kvstore.transport.shm import ShmTransport
 from kvstore.transport.tcp import TcpTransport
 from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
@@ -54,17 +56,24 @@ class PutResult(NamedTuple):
 class KVStoreClient:
     """Asyncio client. Create it inside a running loop; use ``async with`` or call ``close``."""
 
-    def __init__(self, meta: str | None = None, config: ClientConfig | None = None) -> None:
+    def __init__(
+        self, meta: str | None = None, config: ClientConfig | None = None, tls: TlsConfig | None = None
+    ) -> None:
         self.cfg = config or ClientConfig()
+        tls_validate(tls or TlsConfig())
         if meta:
             self.cfg.meta = meta
         if self.cfg.transport not in ("auto", "shm", "tcp"):
             raise InvalidArgument(f"client.transport must be auto, shm or tcp, got {self.cfg.transport!r}")
         self.host_id = self.cfg.host_id or default_host_id()
-        self._channel = grpc.aio.insecure_channel(self.cfg.meta, options=GRPC_OPTIONS)
+        self._channel = aio_channel(self.cfg.meta, tls, GRPC_OPTIONS)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._shm = ShmTransport()
-        self._tcp = TcpTransport(self.cfg.io_timeout_s)
+        self._tcp = TcpTransport(
+            self.cfg.io_timeout_s,
+            client_context(tls) if tls is not None and tls.enabled else None,
+            tls.server_name if tls is not None else "",
+        )
         if self.cfg.io_threads < 1:
             raise InvalidArgument(f"client.io_threads must be at least 1, got {self.cfg.io_threads}")
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstore-io")

@@ -13,18 +13,21 @@ from typing import Any
 
 from kvstore.client.client import KVStoreClient, PutResult
 from kvstore.config import ClientConfig
+from kvstore.tls import TlsConfig
 
 
 class SyncKVStoreClient:
-    def __init__(self, meta: str | None = None, config: ClientConfig | None = None) -> None:
+    def __init__(
+        self, meta: str | None = None, config: ClientConfig | None = None, tls: TlsConfig | None = None
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
         self._thread.start()
-        self._client: KVStoreClient = self._run(self._make(meta, config))
+        self._client: KVStoreClient = self._run(self._make(meta, config, tls))
 
     @staticmethod
-    async def _make(meta: str | None, config: ClientConfig | None) -> KVStoreClient:
-        return KVStoreClient(meta, config)
+    async def _make(meta: str | None, config: ClientConfig | None, tls: TlsConfig | None) -> KVStoreClient:
+        return KVStoreClient(meta, config, tls)
 
     def _run(self, coro):  # noqa: ANN001, ANN202
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

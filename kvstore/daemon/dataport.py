@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import mmap
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,8 +73,10 @@ class DataPort:
         max_connections: int = 512,
         idle_timeout_s: float = 300.0,
         max_block_bytes: int = 1 << 30,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._segments = segments
+        self._ssl = ssl_context  # mutual TLS (kvstore.tls): a client certificate is required
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
         self.max_block_bytes = max_block_bytes
@@ -85,7 +88,7 @@ class DataPort:
         self._lock = threading.Lock()
         self.counters = {
             "reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "bad_frames": 0,
-            "refused_connections": 0, "idle_closed": 0,
+            "refused_connections": 0, "idle_closed": 0, "tls_refused": 0,
         }  # fmt: skip
         self.active = 0  # requests being served (a drain waits for 0)
         self._local = threading.local()
@@ -135,6 +138,18 @@ class DataPort:
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(REQ_HEAD.size)
         try:
+            if self._ssl is not None:
+                raw = conn
+                try:
+                    conn = self._ssl.wrap_socket(raw, server_side=True)  # the handshake, under the idle timeout
+                except (OSError, ValueError) as e:
+                    self.counters["tls_refused"] += 1
+                    log.info("event=tls_refused reason=%r", str(e))
+                    conn = raw
+                    return
+                with self._lock:
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
             while recv_exact(conn, memoryview(head)):
                 magic, version, op, _flags, req_id, count = REQ_HEAD.unpack(head)
                 try:

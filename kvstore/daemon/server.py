@@ -42,6 +42,7 @@ from kvstore.extent import Sealer
 from kvstore.keys import KEY_BYTES
 from kvstore.metrics import DAEMON_COUNTERS, DaemonCollector, MetricsHttp
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
+from kvstore.tls import TlsConfig, add_port, aio_channel, check_listen, server_context
 from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2, meta_pb2_grpc
 
 log = logging.getLogger("kvstore.daemon")
@@ -77,8 +78,12 @@ class _Control:
 
 
 class CacheDaemon:
-    def __init__(self, cfg: DaemonConfig, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, cfg: DaemonConfig, registry: CollectorRegistry | None = None, tls: TlsConfig | None = None
+    ) -> None:
         self.cfg = cfg
+        self.tls = tls
+        check_listen(f"{cfg.host}:{cfg.data_port}", tls, "daemon.host (data port)")
         data_dir = Path(cfg.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         self.daemon_id = cfg.daemon_id or self._stable_id(data_dir)
@@ -109,6 +114,7 @@ class CacheDaemon:
             max_connections=cfg.data_max_connections,
             idle_timeout_s=cfg.data_idle_timeout_s,
             max_block_bytes=cfg.max_block_bytes,
+            ssl_context=server_context(tls) if tls is not None and tls.enabled else None,
         )
         self.control = _Control(self)  # served over gRPC; called directly by an in-process service
         self.control_port = 0
@@ -200,13 +206,13 @@ class CacheDaemon:
              reflection.SERVICE_NAME),
             self._server,
         )  # fmt: skip
-        self.control_port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.control_port}")
+        self.control_port = add_port(self._server, f"{self.cfg.host}:{self.cfg.control_port}", self.tls, "daemon.host")
         if self.cfg.metrics_port >= 0:
             self.metrics.start(self.cfg.metrics_host, self.cfg.metrics_port)
         await self._server.start()
         # NOT_SERVING until the metadata service knows this daemon (see _heartbeat_loop).
         await self.health.start()
-        self._channel = grpc.aio.insecure_channel(self.cfg.meta, options=GRPC_OPTIONS)
+        self._channel = aio_channel(self.cfg.meta, self.tls, GRPC_OPTIONS)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         log.info(
             "event=daemon_started daemon=%s data_port=%d control_port=%d metrics_port=%d dram_bytes=%d reattached=%s",

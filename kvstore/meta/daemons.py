@@ -29,6 +29,7 @@ import grpc
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.meta.index import CommitStatus, Index, Move, PendingCommit, Replica, Tombstone
 from kvstore.rpc import GRPC_OPTIONS
+from kvstore.tls import TlsConfig, aio_channel
 from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 from kvstore.wire import U8, U32, U64, pack, unpack
 
@@ -71,7 +72,10 @@ class _LocalDaemon:
 class DaemonLink:
     """Per-daemon control channels of one metadata service, and what travels over them."""
 
-    def __init__(self, index: Index, rpc_timeout_s: float = 5.0, move_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, index: Index, rpc_timeout_s: float = 5.0, move_timeout_s: float = 120.0, tls: TlsConfig | None = None
+    ) -> None:
+        self.tls = tls
         self.index = index
         self.rpc_timeout_s = rpc_timeout_s
         self.move_timeout_s = move_timeout_s
@@ -100,7 +104,7 @@ class DaemonLink:
         if cached is None or cached[0] != addr:
             if cached is not None:
                 asyncio.ensure_future(cached[1].close())
-            ch = grpc.aio.insecure_channel(addr, options=GRPC_OPTIONS)
+            ch = aio_channel(addr, self.tls, GRPC_OPTIONS)
             cached = self._stubs[daemon_id] = (addr, ch, daemon_pb2_grpc.DaemonControlStub(ch))
         return cached[2]
 

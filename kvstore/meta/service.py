@@ -37,6 +37,7 @@ from kvstore.meta.index import (
 )
 from kvstore.metrics import MetaCollector, MetricsHttp
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
+from kvstore.tls import TlsConfig, add_port
 from kvstore.v1 import common_pb2, meta_pb2
 from kvstore.wire import U8, U32, U64, daemon_to_pb, locations_to_pb, pack, unpack
 
@@ -266,8 +267,15 @@ class MetaServer:
     """The metadata service as a running gRPC server (plus health checking, reflection, metrics,
     the sweeper and the tier loop)."""
 
-    def __init__(self, cfg: MetaConfig, clock: Clock | None = None, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        cfg: MetaConfig,
+        clock: Clock | None = None,
+        registry: CollectorRegistry | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.tls = tls
         limits = IndexLimits(
             max_batch_keys=cfg.max_batch_keys,
             max_block_bytes=cfg.max_block_bytes,
@@ -280,7 +288,7 @@ class MetaServer:
             cache_policy=cfg.cache_policy,
         )
         self.index = Index(limits, clock or Clock())
-        self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s)
+        self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s, tls=tls)
         self.registry = registry or CollectorRegistry()
         self.registry.register(MetaCollector(self.index))
         self.metrics = MetricsHttp(self.registry)
@@ -309,7 +317,7 @@ class MetaServer:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(self.cfg.listen)
+        self.port = add_port(self.server, self.cfg.listen, self.tls, "meta.listen")
         if self.port == 0:
             raise OSError(f"metadata service cannot listen on {self.cfg.listen}")
         if self.cfg.metrics_port >= 0:

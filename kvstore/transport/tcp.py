@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -36,8 +37,12 @@ MAX_IDLE = 16
 
 
 class TcpTransport:
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None, server_name: str = ""
+    ) -> None:
         self.timeout_s = timeout_s
+        self._ssl = ssl_context  # mutual TLS to the data ports (kvstore.tls)
+        self._server_name = server_name
         self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -53,6 +58,12 @@ class TcpTransport:
         except OSError as e:
             raise Unavailable(f"data port {addr} unreachable: {e}") from None
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl is not None:
+            try:
+                s = self._ssl.wrap_socket(s, server_hostname=self._server_name)
+            except OSError as e:
+                s.close()
+                raise Unavailable(f"data port {addr}: TLS handshake failed: {e}") from None
         return s
 
     def _give_back(self, addr: str, s: socket.socket) -> None:

@@ -122,7 +122,10 @@ def test_config_loads(path: Path):
     assert isinstance(cfg, Config)
     assert not cfg.meta.allow_clock_skew, "allow_clock_skew is for tests only"
     sections = yaml.safe_load(path.read_text())
-    assert set(sections) <= {"meta", "daemon", "client", "log"}
+    assert set(sections) <= {"meta", "daemon", "client", "log", "tls"}
+    if cfg.meta.listen and not cfg.meta.listen.startswith(("127.", "localhost", "[::1]")) and "meta" in sections:
+        # A cluster listener off loopback: TLS files, or plaintext said out loud.
+        assert cfg.tls.enabled or cfg.tls.allow_plaintext, path
 
 
 def test_config_roles():

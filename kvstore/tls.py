@@ -1,0 +1,144 @@
+"""Transport security: mutual TLS for every gRPC server and channel (metadata service, daemon
+control API) and for the TCP data port, from PEM files named in the ``tls`` config section.
+
+Every peer (service, daemon, client) holds a certificate signed by the cluster's CA and checks
+the other side's against it: a server requires a client certificate, a client requires the
+server's to carry ``tls.server_name`` (default ``kvstore``) among its names, so one name serves
+a cluster whose addresses change. ``kvstore certs`` makes a CA and such certificates for a test
+cluster (:mod:`kvstore.certs`).
+
+Without TLS configured, servers listen in plaintext only on loopback addresses, unless
+``tls.allow_plaintext`` says the network is trusted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvstore.errors import InvalidArgument
+
+
+@dataclass
+class TlsConfig:
+    # PEM files: the CA that signs every peer of the cluster, this process's certificate
+    # (chain) and its private key. All three, or none (plaintext).
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    # The name every server certificate carries (a subject alternative name), checked by clients.
+    server_name: str = "kvstore"
+    # Listen without TLS on non-loopback addresses (a network trusted by other means).
+    allow_plaintext: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca or self.cert or self.key)
+
+
+def validate(tls: TlsConfig) -> None:
+    """All three files or none; each one readable PEM."""
+    given = {"tls.ca": tls.ca, "tls.cert": tls.cert, "tls.key": tls.key}
+    if not tls.enabled:
+        return
+    missing = [k for k, v in given.items() if not v]
+    if missing:
+        raise InvalidArgument(f"{', '.join(missing)}: TLS needs tls.ca, tls.cert and tls.key together")
+    for k, v in given.items():
+        try:
+            data = Path(v).read_bytes()
+        except OSError as e:
+            raise InvalidArgument(f"{k}: cannot read {v}: {e.strerror}") from None
+        if b"-----BEGIN " not in data:
+            raise InvalidArgument(f"{k}: {v} is not a PEM file")
+    if not tls.server_name:
+        raise InvalidArgument("tls.server_name must not be empty")
+
+
+def _read(tls: TlsConfig) -> tuple[bytes, bytes, bytes]:
+    validate(tls)
+    return Path(tls.ca).read_bytes(), Path(tls.cert).read_bytes(), Path(tls.key).read_bytes()
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host(addr: str) -> str:
+    return addr.rpartition(":")[0] if ":" in addr else addr
+
+
+def check_listen(addr: str, tls: TlsConfig | None, what: str) -> None:
+    """Refuses a plaintext listener on a non-loopback address unless allowed."""
+    tls = tls or TlsConfig()
+    if tls.enabled or tls.allow_plaintext or is_loopback(_host(addr)):
+        return
+    raise InvalidArgument(
+        f"{what}: refusing to listen in plaintext on {addr}: set tls.ca, tls.cert and tls.key "
+        "(kvstore certs makes them), or tls.allow_plaintext=true on a network trusted by other means"
+    )
+
+
+# ---- gRPC ------------------------------------------------------------------------------------
+
+
+def add_port(server: grpc.aio.Server, addr: str, tls: TlsConfig | None, what: str) -> int:
+    """Binds ``server`` to ``addr``: mutual TLS when configured (a client certificate signed by
+    the CA is required), else plaintext where :func:`check_listen` allows it."""
+    check_listen(addr, tls, what)
+    if tls is None or not tls.enabled:
+        return server.add_insecure_port(addr)
+    ca, cert, key = _read(tls)
+    creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    return server.add_secure_port(addr, creds)
+
+
+def aio_channel(addr: str, tls: TlsConfig | None, options: list[tuple[str, object]]) -> grpc.aio.Channel:
+    """A channel to a kvstore server: mutual TLS when configured."""
+    if tls is None or not tls.enabled:
+        return grpc.aio.insecure_channel(addr, options=options)
+    ca, cert, key = _read(tls)
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.aio.secure_channel(addr, creds, options=[*options, ("grpc.ssl_target_name_override", tls.server_name)])
+
+
+# ---- data port -------------------------------------------------------------------------------
+
+
+def server_context(tls: TlsConfig) -> ssl.SSLContext:
+    """The data port's side: TLS 1.3 (or 1.2), client certificate required."""
+    _read(tls)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.cert, tls.key)
+    ctx.load_verify_locations(tls.ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(tls: TlsConfig) -> ssl.SSLContext:
+    _read(tls)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.cert, tls.key)
+    ctx.load_verify_locations(tls.ca)
+    ctx.check_hostname = True
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def wrap_client(sock: socket.socket, ctx: ssl.SSLContext | None, server_name: str) -> socket.socket:
+    if ctx is None:
+        return sock
+    return ctx.wrap_socket(sock, server_hostname=server_name)
