@@ -23,6 +23,7 @@ import logging
 import mmap
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -132,7 +133,11 @@ class DataPort:
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.idle_timeout_s)
+            # The idle / stall bound as kernel timeouts on a blocking socket (a Python-level
+            # timeout would add a poll() to every recv and send of the data path).
+            tv = struct.pack("ll", int(self.idle_timeout_s), int(self.idle_timeout_s % 1 * 1e6))
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             threading.Thread(target=self._serve, args=(conn,), name="dataport-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -184,8 +189,8 @@ class DataPort:
                 finally:
                     with self._lock:
                         self.active -= 1
-        except TimeoutError:
-            self.counters["idle_closed"] += 1
+        except (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            self.counters["idle_closed"] += 1  # SO_RCVTIMEO / SO_SNDTIMEO passed
         except (ConnectionError, OSError):
             pass
         finally:
