@@ -43,6 +43,9 @@ class MetaConfig:
     # Eviction, demotion order and admission: "adaptive" (recency or frequency, whichever the
     # traffic rewards, see kvstore.meta.policy) or "lru" (recency only, every block stored).
     cache_policy: str = "adaptive"
+    # Sign a capability ticket for every placement handed out, so that daemons serve a data-port
+    # entry only to whom the service gave it (kvstore.tickets); false: daemons check none.
+    data_tickets: bool = True
     move_batch_bytes: int = 64 << 20
     # Deadline of the service's calls to a daemon inside a client's call (commit, tombstones).
     daemon_rpc_timeout_s: float = 5.0
@@ -92,6 +95,8 @@ class DaemonConfig:
     data_max_connections: int = 512
     data_idle_timeout_s: float = 300.0
     max_block_bytes: int = 1 << 30
+    # Clock difference between hosts tolerated when checking a data-port ticket's expiry.
+    ticket_skew_s: float = 30.0
 
 
 @dataclass

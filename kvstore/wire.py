@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvstore import tickets
 from kvstore.errors import InvalidArgument
 from kvstore.v1 import common_pb2 as pb
 
@@ -45,12 +46,32 @@ ROW_DTYPE = np.dtype(
 )
 
 
-def locations_to_pb(replicas: Sequence) -> pb.Locations:  # noqa: ANN001 - index.Replica
-    """Packs replicas as location rows plus one SegmentRef per distinct segment."""
+def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0) -> pb.Locations:  # noqa: ANN001
+    """Packs replicas (index.Replica) as location rows plus one SegmentRef per distinct segment,
+    and with ``op`` (tickets.READ or WRITE) a capability ticket per row for ``ttl_s`` seconds,
+    signed with each daemon's ticket key (none for daemons without one)."""
     if not replicas:
         return pb.Locations()
     segs = {id(r.segment): r.segment for r in replicas}
+    signed = b""
+    if op and any(s.daemon.spec.ticket_key for s in segs.values()):
+        signed = b"".join(
+            [
+                tickets.issue(
+                    r.segment.daemon.spec.ticket_key,
+                    op,
+                    r.segment.spec.segment_id,
+                    r.offset,
+                    r.length,
+                    r.gen,
+                    r.entry.key,
+                    ttl_s,
+                )  # fmt: skip
+                for r in replicas
+            ]
+        )
     return pb.Locations(
+        tickets=signed,
         rows=b"".join([r.row for r in replicas]),
         segments=[
             pb.SegmentRef(
@@ -70,6 +91,7 @@ class Placement(NamedTuple):
     length: int
     checksum: int
     gen: int = 0
+    ticket: bytes = tickets.NO_TICKET  # mac | expiry for the data port
 
     @property
     def segment_id(self) -> int:
@@ -82,6 +104,12 @@ def locations_from_pb(msg: pb.Locations, count: int) -> list[Placement]:
         return []
     if len(msg.rows) != count * ROW_DTYPE.itemsize:
         raise InvalidArgument(f"locations: {len(msg.rows)} bytes of rows for {count} keys")
+    if msg.tickets and len(msg.tickets) != count * tickets.TICKET.size:
+        raise InvalidArgument(f"locations: {len(msg.tickets)} bytes of tickets for {count} keys")
+    size = tickets.TICKET.size
+    signed = (
+        [msg.tickets[i * size : (i + 1) * size] for i in range(count)] if msg.tickets else [tickets.NO_TICKET] * count
+    )
     table = {}
     for ref in msg.segments:
         seg = next((s for s in ref.daemon.segments if s.segment_id == ref.segment_id), None)
@@ -89,9 +117,9 @@ def locations_from_pb(msg: pb.Locations, count: int) -> list[Placement]:
             seg = pb.Segment(segment_id=ref.segment_id, tier=ref.tier)
         table[ref.ref] = (ref.daemon, seg)
     out = []
-    for ref, _r, off, length, csum, gen in np.frombuffer(msg.rows, dtype=ROW_DTYPE).tolist():
+    for (ref, _r, off, length, csum, gen), ticket in zip(np.frombuffer(msg.rows, dtype=ROW_DTYPE).tolist(), signed):
         if ref not in table:
             raise InvalidArgument(f"locations: row names segment ref {ref}, which the message does not describe")
         daemon, seg = table[ref]
-        out.append(Placement(daemon, seg, off, length, csum, gen))
+        out.append(Placement(daemon, seg, off, length, csum, gen, ticket))
     return out

@@ -227,7 +227,15 @@ class KVStoreClient:
             while j < hi and places[j].daemon.daemon_id == p.daemon.daemon_id and not self._use_shm(places[j]):
                 j += 1
             items = [
-                (keys[k], places[k].segment_id, places[k].offset, places[k].length, places[k].checksum, places[k].gen)
+                (
+                    keys[k],
+                    places[k].segment_id,
+                    places[k].offset,
+                    places[k].length,
+                    places[k].checksum,
+                    places[k].gen,
+                    places[k].ticket,
+                )
                 for k in range(i, j)
             ]
             try:
@@ -387,7 +395,7 @@ class KVStoreClient:
         for addr, ks in tcp_groups.items():
             items = [
                 (packed[alloc[k] * KEY_BYTES : (alloc[k] + 1) * KEY_BYTES], places[k].segment_id, places[k].offset,
-                 places[k].length, sums[k - lo], places[k].gen)
+                 places[k].length, sums[k - lo], places[k].gen, places[k].ticket)
                 for k in ks
             ]  # fmt: skip
             try:

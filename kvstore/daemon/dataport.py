@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from kvstore import tickets
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.extent import HEADER_SIZE, Sealer, checksum
@@ -58,7 +59,7 @@ class FrameError(Exception):
 
 
 def _ssd_ref(entry: tuple) -> tuple[int, bytes, int, int]:
-    key, _s, _r, off, length, _c, gen = entry
+    key, _s, _e, off, length, _c, gen, _t = entry
     return off, key, length, gen
 
 
@@ -75,8 +76,15 @@ class DataPort:
         idle_timeout_s: float = 300.0,
         max_block_bytes: int = 1 << 30,
         ssl_context: ssl.SSLContext | None = None,
+        ticket_key: bytes = b"",
+        ticket_skew_s: float = tickets.SKEW_S,
     ) -> None:
         self._segments = segments
+        # Capability tickets (kvstore.tickets): required from the start when there is a key;
+        # the daemon turns them off only if the service it registers with signs none.
+        self.ticket_key = ticket_key
+        self.require_tickets = bool(ticket_key)
+        self.ticket_skew_s = ticket_skew_s
         self._ssl = ssl_context  # mutual TLS (kvstore.tls): a client certificate is required
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
@@ -89,7 +97,7 @@ class DataPort:
         self._lock = threading.Lock()
         self.counters = {
             "reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "bad_frames": 0,
-            "refused_connections": 0, "idle_closed": 0, "tls_refused": 0,
+            "refused_connections": 0, "idle_closed": 0, "tls_refused": 0, "ticket_refused": 0,
         }  # fmt: skip
         self.active = 0  # requests being served (a drain waits for 0)
         self._local = threading.local()
@@ -201,7 +209,9 @@ class DataPort:
     def _check(self, entries: list[tuple], op: int) -> list:
         segs = self._segments()
         arenas = []
-        for i, (_key, seg_id, _r, off, length, _c, _g) in enumerate(entries):
+        signed = self.require_tickets and op in (Op.READ, Op.WRITE)
+        top = tickets.READ if op == Op.READ else tickets.WRITE
+        for i, (key, seg_id, expiry, off, length, _c, gen, tag) in enumerate(entries):
             arena = segs.get(seg_id)
             if arena is None:
                 raise FrameError(f"entry {i}: unknown segment {seg_id}")
@@ -211,6 +221,13 @@ class DataPort:
                 )
             if length > self.max_block_bytes:
                 raise FrameError(f"entry {i}: length {length} is over the block limit of {self.max_block_bytes} bytes")
+            if signed:
+                why = tickets.check(
+                    self.ticket_key, top, seg_id, off, length, gen, expiry, key, tag, self.ticket_skew_s
+                )
+                if why:
+                    self.counters["ticket_refused"] += 1
+                    raise FrameError(f"entry {i}: {why}")
             arenas.append(arena)
         return arenas
 
@@ -234,13 +251,13 @@ class DataPort:
             nonlocal next_ssd
             while next_ssd < len(ssd_idx) and next_ssd < limit:
                 i = ssd_idx[next_ssd]
-                key, _s, _r, off, length, _c, gen = entries[i]
+                key, _s, _e, off, length, _c, gen, _t = entries[i]
                 staging = ring[next_ssd % len(ring)]
                 ahead[i] = self._io.submit(arenas[i].read, off, key, length, None, staging, gen)
                 next_ssd += 1
 
         done_ssd = 0
-        for i, ((key, _s, _r, off, length, _c, gen), seg) in enumerate(zip(entries, arenas)):
+        for i, ((key, _s, _e, off, length, _c, gen, _t), seg) in enumerate(zip(entries, arenas)):
             if isinstance(seg, SsdSegment) and i not in ssd_set:
                 status, payload = EntryStatus.MISMATCH, None
             elif isinstance(seg, SsdSegment):
@@ -274,7 +291,13 @@ class DataPort:
     def _write(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list) -> None:
         status = bytearray(len(entries))
         total = 0
-        for i, ((key, _s, _r, off, length, csum, gen), seg) in enumerate(zip(entries, arenas)):
+        for i, ((key, _s, _e, off, length, csum, gen, _t), seg) in enumerate(zip(entries, arenas)):
+            if self._sealed(seg, off, gen):
+                # That generation is already committed there: a replayed write must not touch it.
+                if not recv_exact(conn, memoryview(self._staging(length))):
+                    raise ConnectionError("peer closed mid-write")
+                status[i] = EntryStatus.MISMATCH
+                continue
             if isinstance(seg, ShmArena):
                 seg.clear_header(off)
                 payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length]
@@ -300,6 +323,12 @@ class DataPort:
         conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0) + bytes(status))
         self.counters["writes"] += len(entries)
         self.counters["write_bytes"] += total
+
+    def _sealed(self, seg: ShmArena | SsdSegment, off: int, gen: int) -> bool:
+        if isinstance(seg, ShmArena):
+            h = self._sealer.parse(seg.view, off)
+            return h is not None and h.gen == gen
+        return seg.committed_gen(off) == gen
 
     def _staging(self, size: int) -> np.ndarray:
         buf = getattr(self._local, "buf", None)

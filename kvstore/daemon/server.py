@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from kvstore import tickets
 from kvstore.config import DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
@@ -89,6 +90,9 @@ class CacheDaemon:
         self.daemon_id = cfg.daemon_id or self._stable_id(data_dir)
         self.host_id = cfg.host_id or default_host_id()
         self.sealer = Sealer.load_or_create(data_dir / "daemon.secret")
+        # Data-port tickets are signed with this key by the service (it learns it at registration);
+        # a new one at every start, so tickets of an earlier run do not serve.
+        self.ticket_key = tickets.new_key()
         shm_path = Path(cfg.shm_dir) / f"kvstore-{self.daemon_id}-dram"
         self.dram = ShmArena(shm_path, cfg.dram_bytes, create=True)
         self.segments: dict[int, ShmArena | SsdSegment] = {DRAM_SEGMENT: self.dram}
@@ -115,6 +119,8 @@ class CacheDaemon:
             idle_timeout_s=cfg.data_idle_timeout_s,
             max_block_bytes=cfg.max_block_bytes,
             ssl_context=server_context(tls) if tls is not None and tls.enabled else None,
+            ticket_key=self.ticket_key,
+            ticket_skew_s=cfg.ticket_skew_s,
         )
         self.control = _Control(self)  # served over gRPC; called directly by an in-process service
         self.control_port = 0
@@ -225,8 +231,10 @@ class CacheDaemon:
         assert self._stub is not None
         invs, discarded = await asyncio.to_thread(self.inventory, True)
         resp = await self._stub.RegisterDaemon(
-            meta_pb2.RegisterDaemonRequest(daemon=self.info(), inventory=invs), timeout=30
+            meta_pb2.RegisterDaemonRequest(daemon=self.info(), inventory=invs, ticket_key=self.ticket_key), timeout=30
         )
+        # The service signs tickets for our placements (meta.data_tickets): require them.
+        self.dataport.require_tickets = resp.tickets
         self.counters["registrations"] += 1
         blocks = sum(len(i.keys) // KEY_BYTES for i in invs)
         log.info(

@@ -333,6 +333,11 @@ class SsdSegment:
         self.counters["read_bytes"] += length
         return ReadStatus(True, ""), dest
 
+    def committed_gen(self, offset: int) -> int | None:
+        """The generation of the committed block at ``offset`` (None: none there)."""
+        b = self._live.get(offset)
+        return b.gen if b is not None else None
+
     def holds(self, offset: int, key: bytes, length: int, gen: int) -> bool:
         """Whether the committed block at ``offset`` is (``key``, ``gen``) of ``length`` raw
         bytes: a read is worth a buffer only then."""

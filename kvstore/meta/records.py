@@ -60,6 +60,8 @@ class DaemonSpec:
     data_addr: str
     control_addr: str
     segments: tuple[SegmentSpec, ...]
+    # The key this daemon's data-port tickets are signed with (kvstore.tickets); empty: none.
+    ticket_key: bytes = b""
 
 
 class InventoryItem(NamedTuple):

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from kvstore import tickets
 from kvstore.config import MetaConfig
 from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvstore.keys import KEY_BYTES, unpack_keys
@@ -77,13 +78,17 @@ def _inventory(request: meta_pb2.RegisterDaemonRequest) -> dict[int, list[Invent
 
 
 class MetaServicer:
-    def __init__(self, index: Index, link: DaemonLink, allow_clock_skew: bool = False) -> None:
+    def __init__(self, index: Index, link: DaemonLink, allow_clock_skew: bool = False, tickets: bool = True) -> None:
         self.index = index
         self.link = link
         self.allow_clock_skew = allow_clock_skew
+        self.tickets = tickets
 
     async def RegisterDaemon(self, request, context):
         info = request.daemon
+        if request.ticket_key and len(request.ticket_key) != tickets.KEY_BYTES:
+            raise InvalidArgument(f"ticket_key must be {tickets.KEY_BYTES} bytes, got {len(request.ticket_key)}")
+        key = request.ticket_key if self.tickets else b""
         for s in info.segments:
             if s.tier not in _TIERS and s.tier != 0:
                 raise InvalidArgument(f"segment {s.segment_id}: unknown tier {s.tier} (DRAM=1, SSD=2)")
@@ -96,6 +101,7 @@ class MetaServicer:
                 SegmentSpec(s.segment_id, Tier(s.tier or Tier.DRAM), s.capacity_bytes, s.shm_path)
                 for s in info.segments
             ),
+            key,
         )
         # A big inventory (hundreds of thousands of blocks) is decoded on a thread and adopted
         # in steps, so that heartbeats and requests are served meanwhile.
@@ -117,6 +123,7 @@ class MetaServicer:
             heartbeat_interval_ms=int(lim.heartbeat_interval_s * 1000),
             lease_ttl_ms=int(lim.daemon_ttl_s * 1000),
             rejected=rejected,
+            tickets=bool(key),
         )
 
     async def DrainDaemon(self, request, context):
@@ -154,7 +161,7 @@ class MetaServicer:
         return meta_pb2.PutStartResponse(
             put_id=res.put_id,
             status=pack(res.status, U8),
-            placements=locations_to_pb(res.placements),
+            placements=locations_to_pb(res.placements, tickets.WRITE, res.deadline),
             deadline_unix_ms=int((time.time() + res.deadline) * 1000),
         )
 
@@ -189,7 +196,7 @@ class MetaServicer:
         return meta_pb2.AcquireResponse(
             hit_count=res.hit_count,
             lease_id=res.lease_id,
-            locations=locations_to_pb(res.locations),
+            locations=locations_to_pb(res.locations, tickets.READ, res.ttl),
             ttl_ms=int(res.ttl * 1000),
         )
 
@@ -306,7 +313,7 @@ class MetaServer:
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
-        servicer = MetaServicer(self.index, self.link, self.cfg.allow_clock_skew)
+        servicer = MetaServicer(self.index, self.link, self.cfg.allow_clock_skew, self.cfg.data_tickets)
         add_service(self.server, meta_pb2, "MetaService", servicer, self.registry)
         add_service(self.server, health_pb2, "Health", self.health.servicer)
         reflection.enable_server_reflection(

@@ -3,7 +3,8 @@
 A request is a head, ``count`` entries, then (WRITE only) the payloads in entry order::
 
     head  = magic "KVD1" | version u8 | op u8 | flags u16 | request_id u64 | count u32     (20 B)
-    entry = key 16s | segment_id u32 | reserved u32 | offset u64 | length u64 | checksum u64 | gen u64 (56 B)
+    entry = key 16s | segment_id u32 | expiry u32 | offset u64 | length u64 | checksum u64 | gen u64
+            | mac 16s                                                                       (72 B)
 
 A WRITE response is a head, a message (non-empty only on a frame error), then one status byte
 per entry. A READ response is a head, a message, then per entry in order its status byte,
@@ -16,6 +17,9 @@ connection is closed: nothing of that request was applied. ``offset`` is the ext
 (its header); payload bytes live at ``offset + 64``. ``gen`` is the placement's generation: a
 READ is served only if the extent holds that generation of the key; a WRITE lands as a pending
 block of that generation, which only the metadata service's commit makes a stored one.
+``expiry`` and ``mac`` are the entry's capability ticket from the metadata service
+(:mod:`kvstore.tickets`); a daemon that requires tickets refuses the frame when one does not
+match what its entry names, or has expired.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import struct
 from enum import IntEnum
 
 MAGIC = b"KVD1"
-VERSION = 2
+VERSION = 3
 REQ_HEAD = struct.Struct("<4sBBHQI")
-ENTRY = struct.Struct("<16sIIQQQQ")
+ENTRY = struct.Struct("<16sIIQQQQ16s")
 RESP_HEAD = struct.Struct("<4sBBHQII")
 MAX_ENTRIES = 65536
 MAX_MESSAGE = 4096

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.extent import checksum
+from kvstore.tickets import TICKET
 from kvstore.transport.frames import (
     ENTRY,
     MAGIC,
@@ -34,6 +35,11 @@ from kvstore.transport.frames import (
 
 IDLE_S = 30.0
 MAX_IDLE = 16
+
+
+def _entry(key: bytes, segment_id: int, offset: int, length: int, csum: int, gen: int, ticket: bytes) -> bytes:
+    tag, expiry = TICKET.unpack(ticket)
+    return ENTRY.pack(key, segment_id, expiry, offset, length, csum, gen, tag)
 
 
 class TcpTransport:
@@ -129,17 +135,17 @@ class TcpTransport:
             raise
 
     def read(self, addr: str, items: Sequence[tuple], dests: Sequence[np.ndarray]) -> list[bool]:
-        """Reads ``items`` (key, segment_id, offset, length, checksum, gen) into ``dests``.
+        """Reads ``items`` (key, segment_id, offset, length, checksum, gen, ticket) into ``dests``.
 
         Returns per item whether its bytes arrived and match the checksum. Raises Unavailable
         if the daemon cannot be reached (the caller turns that into misses).
         """
-        entries = [ENTRY.pack(k, seg, 0, off, n, c, g) for (k, seg, off, n, c, g) in items]
+        entries = [_entry(*it) for it in items]
         s, _ = self._request(addr, Op.READ, entries)
         ok: list[bool] = []
         status = bytearray(1)
         try:
-            for (_k, _s, _o, _n, c, _g), dest in zip(items, dests):
+            for (_k, _s, _o, _n, c, _g, _t), dest in zip(items, dests):
                 if not recv_exact(s, memoryview(status)):
                     raise ConnectionError("data port closed mid-response")
                 if status[0] != EntryStatus.OK:
@@ -156,7 +162,7 @@ class TcpTransport:
     def write(self, addr: str, items: Sequence[tuple], srcs: Sequence[np.ndarray]) -> list[bool]:
         """Writes payloads to their extents (pending until the put is committed); per item
         whether the daemon received it whole."""
-        entries = [ENTRY.pack(k, seg, 0, off, n, c, g) for (k, seg, off, n, c, g) in items]
+        entries = [_entry(*it) for it in items]
         s, statuses = self._request(addr, Op.WRITE, entries, srcs)
         self._give_back(addr, s)
         return [st == EntryStatus.OK for st in statuses]

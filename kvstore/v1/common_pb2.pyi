@@ -70,12 +70,14 @@ class SegmentRef(_message.Message):
     def __init__(self, ref: _Optional[int] = ..., daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., segment_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class Locations(_message.Message):
-    __slots__ = ("rows", "segments")
+    __slots__ = ("rows", "segments", "tickets")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TICKETS_FIELD_NUMBER: _ClassVar[int]
     rows: bytes
     segments: _containers.RepeatedCompositeFieldContainer[SegmentRef]
-    def __init__(self, rows: _Optional[bytes] = ..., segments: _Optional[_Iterable[_Union[SegmentRef, _Mapping]]] = ...) -> None: ...
+    tickets: bytes
+    def __init__(self, rows: _Optional[bytes] = ..., segments: _Optional[_Iterable[_Union[SegmentRef, _Mapping]]] = ..., tickets: _Optional[bytes] = ...) -> None: ...
 
 class Inventory(_message.Message):
     __slots__ = ("segment_id", "keys", "offset", "length", "checksum", "gen", "size")

@@ -22,22 +22,26 @@ PUT_NO_SPACE: PutStatus
 PUT_NOT_ADMITTED: PutStatus
 
 class RegisterDaemonRequest(_message.Message):
-    __slots__ = ("daemon", "inventory")
+    __slots__ = ("daemon", "inventory", "ticket_key")
     DAEMON_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    TICKET_KEY_FIELD_NUMBER: _ClassVar[int]
     daemon: _common_pb2.DaemonInfo
     inventory: _containers.RepeatedCompositeFieldContainer[_common_pb2.Inventory]
-    def __init__(self, daemon: _Optional[_Union[_common_pb2.DaemonInfo, _Mapping]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.Inventory, _Mapping]]] = ...) -> None: ...
+    ticket_key: bytes
+    def __init__(self, daemon: _Optional[_Union[_common_pb2.DaemonInfo, _Mapping]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.Inventory, _Mapping]]] = ..., ticket_key: _Optional[bytes] = ...) -> None: ...
 
 class RegisterDaemonResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "lease_ttl_ms", "rejected")
+    __slots__ = ("heartbeat_interval_ms", "lease_ttl_ms", "rejected", "tickets")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    TICKETS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     lease_ttl_ms: int
     rejected: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+    tickets: bool
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., rejected: _Optional[int] = ..., tickets: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("daemon_id", "acked_batch")

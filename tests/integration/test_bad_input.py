@@ -138,16 +138,19 @@ def _frame_error(addr: tuple[str, int], payload: bytes) -> str:
         (REQ_HEAD.pack(MAGIC, VERSION, 77, 0, 1, 0), "unknown op 77"),
         (REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 10**6), "over the limit"),
         (
-            REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, 42, 0, 0, 10, 0, 0),
+            REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, 42, 0, 0, 10, 0, 0, bytes(16)),
             "unknown segment 42",
         ),
         (
-            REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 2**40, 10, 0, 0),
+            REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 2**40, 10, 0, 0, bytes(16)),
             "outside segment",
         ),
-        (REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 0, 0, 0, 0), "length 0"),
         (
-            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 0, 2**62, 0, 0),
+            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 0, 0, 0, 0, bytes(16)),
+            "length 0",
+        ),
+        (
+            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + ENTRY.pack(b"k" * 16, 1, 0, 0, 2**62, 0, 0, bytes(16)),
             "outside segment",
         ),
     ],
@@ -158,18 +161,20 @@ def test_malformed_data_port_frames(loaded, payload, match):
     assert_unchanged(loaded.meta_addr)
 
 
-def test_data_port_write_with_wrong_checksum_is_refused_per_entry(loaded):
-    # A well-formed write whose bytes do not match their checksum is not stored.
+def test_data_port_write_without_a_ticket_is_refused(loaded):
+    # A well-formed write the service did not hand out (no capability ticket) is not applied.
     host, port = _data_port(loaded)
     payload = bytes(256)
     with socket.create_connection((host, port), timeout=10) as s:
         off = 32 << 20  # free space in the 64 MiB segment
         s.sendall(
-            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 7, 1) + ENTRY.pack(b"z" * 16, 1, 0, off, 256, 12345, 0) + payload
+            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 7, 1)
+            + ENTRY.pack(b"z" * 16, 1, 0, off, 256, 12345, 0, bytes(16))
+            + payload
         )
-        head = s.recv(RESP_HEAD.size, socket.MSG_WAITALL)
-        assert RESP_HEAD.unpack(head)[1] == FrameStatus.OK
-        assert s.recv(1, socket.MSG_WAITALL) == b"\x02"  # EntryStatus.CHECKSUM
+        head = RESP_HEAD.unpack(s.recv(RESP_HEAD.size, socket.MSG_WAITALL))
+        assert head[1] == FrameStatus.BAD_FRAME
+        assert "ticket" in s.recv(head[6], socket.MSG_WAITALL).decode()
     assert_unchanged(loaded.meta_addr)
 
 

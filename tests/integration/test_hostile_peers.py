@@ -120,7 +120,8 @@ def test_a_write_over_the_block_limit_is_refused_before_its_payload(limited):
     big = (64 << 20) - HEADER_SIZE - 4096
     with socket.create_connection(addr, timeout=10) as s:
         s.sendall(
-            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 2, 1) + ENTRY.pack(b"k" * 16, SSD_SEGMENT, 0, 0, big, 0, 1)
+            REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 2, 1)
+            + ENTRY.pack(b"k" * 16, SSD_SEGMENT, 0, 0, big, 0, 1, bytes(16))
         )
         head = RESP_HEAD.unpack(s.recv(RESP_HEAD.size, socket.MSG_WAITALL))
         assert head[1] == FrameStatus.BAD_FRAME
@@ -129,7 +130,9 @@ def test_a_write_over_the_block_limit_is_refused_before_its_payload(limited):
 
 
 def test_ssd_reads_of_blocks_not_stored_allocate_nothing(cluster):
-    cluster.start_meta()
+    # Without tickets (which would refuse these frames first), so that the check under test,
+    # "is this a committed block?", is what answers.
+    cluster.start_meta("meta.data_tickets=false")
     d = cluster.start_daemon("daemon.ssd_bytes=256MiB")  # the default block limit of 1 GiB
     with SyncKVStoreClient(cluster.meta_addr) as c:
         assert c.put(KEYS, DATA).stored == 4
@@ -139,7 +142,8 @@ def test_ssd_reads_of_blocks_not_stored_allocate_nothing(cluster):
     for _ in range(5):
         with socket.create_connection(addr, timeout=10) as s:
             s.sendall(
-                REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(b"k" * 16, SSD_SEGMENT, 0, 0, big, 0, 1)
+                REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1)
+                + ENTRY.pack(b"k" * 16, SSD_SEGMENT, 0, 0, big, 0, 1, bytes(16))
             )
             head = RESP_HEAD.unpack(s.recv(RESP_HEAD.size, socket.MSG_WAITALL))
             assert head[1] == FrameStatus.OK and head[5] == 1
@@ -159,22 +163,22 @@ _entry = st.tuples(
     st.one_of(st.integers(0, 1 << 21), st.integers(0, 2**64 - 1)),
     st.integers(0, 2**64 - 1),
     st.integers(0, 2**64 - 1),
+    st.binary(min_size=16, max_size=16),
 )
 
 
 @st.composite
 def frames(draw) -> bytes:  # noqa: ANN001
-    kind = draw(st.sampled_from(["raw", "read", "ping", "other", "write-free", "truncated"]))
+    kind = draw(st.sampled_from(["raw", "read", "ping", "other", "write", "truncated"]))
     if kind == "raw":
         return draw(st.binary(max_size=400))
-    op = {"read": Op.READ, "ping": Op.PING, "write-free": Op.WRITE}.get(kind) or draw(st.integers(0, 255))
+    op = {"read": Op.READ, "ping": Op.PING, "write": Op.WRITE}.get(kind) or draw(st.integers(0, 255))
     entries = draw(st.lists(_entry, max_size=6))
     if op == Op.WRITE:
-        # Writes only into the free half of the DRAM segment: an unauthenticated write over a
-        # stored extent is a separate matter (capability tickets), not this parser's.
+        # Writes aimed at the DRAM segment, stored extents included: without a ticket the service
+        # signed, none may land.
         entries = [
-            (k, 1, r, (40 << 20) + (o % (8 << 20)) // 4096 * 4096, ln % 8192 + 1, c, g)
-            for k, _s, r, o, ln, c, g in entries
+            (k, 1, r, (o % (64 << 20)) // 4096 * 4096, ln % 8192 + 1, c, g, t) for k, _s, r, o, ln, c, g, t in entries
         ]
     count = len(entries) if draw(st.booleans()) else draw(st.integers(0, 2**32 - 1))
     version = VERSION if draw(st.booleans()) else draw(st.integers(0, 255))

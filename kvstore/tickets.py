@@ -1,0 +1,77 @@
+"""Capability tickets for the data port.
+
+Every daemon makes a random ticket key when it starts and hands it to the metadata service when
+it registers (over the control channel, mutual TLS where configured). For every placement the
+service hands out, it signs what the holder may do with that one extent:
+
+    mac = BLAKE2b-128(key = daemon's ticket key,
+                      op u8 | segment_id u32 | offset u64 | length u64 | gen u64 | expiry u32 | block key 16s)
+
+``op`` is READ (an Acquire's locations: ``expiry`` = the lease's end) or WRITE (a PutStart's
+placements: ``expiry`` = the reservation's end); ``expiry`` is in wall-clock seconds. The client
+sends the MAC and expiry with each data-port entry, and the daemon serves an entry only if the
+MAC matches what it names and the expiry has not passed (with ``SKEW_S`` of tolerance between
+hosts' clocks). So a peer cannot read or write an extent the service did not give it, nor use a
+read ticket to write, nor one ticket for another extent or generation; a write ticket replayed
+after its block was committed is refused by the daemon (that generation is already sealed there).
+
+Keyed BLAKE2b is a MAC by design (RFC 7693 section 3.3; no HMAC construction needed), and costs
+about a microsecond per placement in Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+import time
+
+TICKET = struct.Struct("<16sI")  # mac | expiry: 20 bytes per location
+_SIGNED = struct.Struct("<BIQQQI16s")
+MAC_BYTES = 16
+KEY_BYTES = 32
+SKEW_S = 30
+NO_TICKET = bytes(TICKET.size)
+READ = 1
+WRITE = 2
+
+
+def new_key() -> bytes:
+    return os.urandom(KEY_BYTES)
+
+
+def mac(key: bytes, op: int, segment_id: int, offset: int, length: int, gen: int, expiry: int, block: bytes) -> bytes:
+    msg = _SIGNED.pack(op, segment_id, offset, length, gen, expiry, block)
+    return hashlib.blake2b(msg, digest_size=MAC_BYTES, key=key).digest()
+
+
+def issue(
+    key: bytes, op: int, segment_id: int, offset: int, length: int, gen: int, block: bytes, ttl_s: float
+) -> bytes:
+    """A ticket (mac | expiry) for one extent; empty key: no ticket (zeros)."""
+    if not key:
+        return NO_TICKET
+    expiry = int(time.time() + ttl_s) + 1
+    return TICKET.pack(mac(key, op, segment_id, offset, length, gen, expiry, block), expiry)
+
+
+def check(
+    key: bytes,
+    op: int,
+    segment_id: int,
+    offset: int,
+    length: int,
+    gen: int,
+    expiry: int,
+    block: bytes,
+    tag: bytes,
+    skew_s: float = SKEW_S,
+) -> str:
+    """Why the ticket does not allow this entry ("" when it does); ``skew_s`` tolerates clocks
+    that differ between hosts."""
+    if expiry + skew_s < time.time():
+        return "ticket expired"
+    if not hmac.compare_digest(tag, mac(key, op, segment_id, offset, length, gen, expiry, block)):
+        return "ticket does not match this entry (another extent, generation, operation or daemon key)"
+    return ""
