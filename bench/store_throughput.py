@@ -47,14 +47,17 @@ from kvstore.tls import TlsConfig  # noqa: E402
 SIZES = {"64KiB": 64 << 10, "512KiB": 512 << 10, "2MiB": 2 << 20}
 
 
-def start_store(dram: str, data_dir: str, tls: TlsConfig | None = None) -> tuple[subprocess.Popen, dict]:
+def start_store(
+    dram: str, data_dir: str, tls: TlsConfig | None = None, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, dict]:
     """``kvstore serve`` on loopback ephemeral ports (one process: metadata service + daemon),
-    with mutual TLS when ``tls`` is given."""
+    with mutual TLS when ``tls`` is given, and ``extra`` settings (section.key=value)."""
     sets = (
         []
         if tls is None
         else ["--set", f"tls.ca={tls.ca}", "--set", f"tls.cert={tls.cert}", "--set", f"tls.key={tls.key}"]
     )
+    sets += [a for e in extra for a in ("--set", e)]
     child = start(
         ["serve", "--listen", "127.0.0.1:0", "--dram", dram, "--data-dir", data_dir, "--log-level", "warning", *sets],
         cwd=REPO,
@@ -256,6 +259,44 @@ def measure_tls(
     return out
 
 
+def measure_tickets(signed: str, unsigned: str, name: str, size: int, total: int, reps: int, bar: tqdm) -> dict:
+    """get_into on a store whose service signs data-port tickets (the default) against one with
+    ``meta.data_tickets=false``, shared memory and TCP, interleaved: what the tickets cost (a
+    MAC per block in Acquire, and on TCP its check by the daemon)."""
+    n = max(1, total // size)
+    nbytes = n * size
+    ks = KeySpace(ModelFingerprint(f"bench-tickets-{name}", "bf16", 32, 8, 128))
+    rng = np.random.default_rng(size + 2)
+    srcs = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    dests = [np.ones(size, np.uint8) for _ in range(n)]
+    keys = ks.block_keys(np.arange(n * 16))
+    samples: dict[str, list[float]] = {k: [] for k in ("shm_on", "shm_off", "tcp_on", "tcp_off")}
+    clients = {}
+    for label, meta in (("on", signed), ("off", unsigned)):
+        for t in ("shm", "tcp"):
+            clients[f"{t}_{label}"] = SyncKVStoreClient(meta, ClientConfig(transport=t))
+    try:
+        clients["shm_on"].put(keys, srcs)
+        clients["shm_off"].put(keys, srcs)
+        for rep in range(reps + 1):
+            for k, c in clients.items():
+                got = []
+                t = timed(lambda c=c: got.append(c.get_into(keys, dests)))
+                assert got[-1] == n and np.array_equal(dests[-1], srcs[-1]), f"{k} get_into loaded {got[-1]} of {n}"
+                if rep:
+                    samples[k].append(gbps(nbytes, t))
+            bar.update(1)
+        clients["shm_on"].remove(keys)
+        clients["shm_off"].remove(keys)
+    finally:
+        for c in clients.values():
+            c.close()
+    out = {f"{k}_get_gbps": round(statistics.median(v), 3) for k, v in samples.items()}
+    out["tickets_shm_get_over_plain"] = round(out["shm_on_get_gbps"] / out["shm_off_get_gbps"], 3)
+    out["tickets_tcp_get_over_plain"] = round(out["tcp_on_get_gbps"] / out["tcp_off_get_gbps"], 3)
+    return out
+
+
 async def measure_lookup(meta: str, seconds: float, concurrency: int) -> dict:
     ks = KeySpace(ModelFingerprint("bench-lookup", "bf16", 1, 1, 8))
     keys = ks.packed_block_keys(np.arange(1000 * 16))
@@ -346,6 +387,21 @@ def main() -> int:
                     result["sizes"][name] = measure_size(info["meta"], name, size, total, reps, bar)
             print("lookups ...", file=sys.stderr)
             result["lookup"] = asyncio.run(measure_lookup(info["meta"], lookup_s, 8))
+            # The same store without data-port tickets, against this one (which signs them).
+            nproc, ninfo = start_store("512MiB", str(Path(tmp) / "untickets"), extra=("meta.data_tickets=false",))
+            try:
+                result["tickets"] = {}
+                with tqdm(total=2 * (reps + 1), desc="tickets", unit="rep") as bar:
+                    for name in ("64KiB", "2MiB"):
+                        bar.set_postfix_str(name)
+                        result["tickets"][name] = measure_tickets(
+                            info["meta"], ninfo["meta"], name, SIZES[name], total // 2, reps, bar
+                        )
+            finally:
+                nproc.terminate()
+                nproc.wait(10)
+                if os.path.exists(ninfo.get("shm_path", "")):
+                    os.unlink(ninfo["shm_path"])
             # The same TCP path with mutual TLS (certificates from kvstore certs), against this store.
             from kvstore.certs import make
 
@@ -378,6 +434,7 @@ def main() -> int:
     result["lookup_keys_per_s"] = result["lookup"]["lookup_keys_per_s"]
     result["lookup_p99_ms"] = result["lookup"]["lookup_p99_ms"]
     result["tls_tcp_get_over_plain"] = result["tls"]["2MiB"]["tls_tcp_get_over_plain"]
+    result["tickets_shm_get_over_plain"] = result["tickets"]["2MiB"]["tickets_shm_get_over_plain"]
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(result, indent=2) + "\n")
     png = ns.out.with_name("store_throughput.png")
@@ -392,6 +449,7 @@ def main() -> int:
                     "lookup_keys_per_s",
                     "lookup_p99_ms",
                     "tls_tcp_get_over_plain",
+                    "tickets_shm_get_over_plain",
                 )
             }
         )
@@ -439,7 +497,24 @@ def render(r: dict, png: str | None) -> str:
         f"| `lookup_keys_per_s` | {r['lookup_keys_per_s']:,} | >= 2,000,000 |",
         f"| `lookup_p99_ms` | {r['lookup_p99_ms']} | |",
         f"| `tls_tcp_get_over_plain` (2 MiB) | {r['tls_tcp_get_over_plain']:.2f} | >= 0.7 |",
+        f"| `tickets_shm_get_over_plain` (2 MiB) | {r['tickets_shm_get_over_plain']:.2f} | >= 0.95 |",
     ]
+    if r.get("tickets"):
+        lines += [
+            "",
+            "Data-port capability tickets (on by default) against a second `kvstore serve` with"
+            " `meta.data_tickets=false`, the same blocks, interleaved: the shared-memory path pays one MAC per block in"
+            " `Acquire`; TCP also pays its check in the daemon.",
+            "",
+            "| block | shm get, tickets GB/s | shm get, none | **shm on/off** | tcp get, tickets | tcp get, none | tcp on/off |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, t in r["tickets"].items():
+            lines.append(
+                f"| {name} | {t['shm_on_get_gbps']:.2f} | {t['shm_off_get_gbps']:.2f} "
+                f"| **{t['tickets_shm_get_over_plain']:.2f}** | {t['tcp_on_get_gbps']:.2f} | {t['tcp_off_get_gbps']:.2f} "
+                f"| {t['tickets_tcp_get_over_plain']:.2f} |"
+            )
     if r.get("tls"):
         lines += [
             "",
