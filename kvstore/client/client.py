@@ -279,7 +279,7 @@ class KVStoreClient:
         if self.cfg.transport == "tcp" or p.segment.tier != 1:
             return False
         path = p.segment.shm_path
-        usable = p.daemon.host_id == self.host_id and self._shm.usable(path)
+        usable = p.daemon.host_id == self.host_id and self._shm.usable(path, p.segment.capacity_bytes)
         if self.cfg.transport == "shm" and not usable:
             raise Unavailable(f"daemon {p.daemon.daemon_id} is not reachable through shared memory from this host")
         return usable

@@ -16,12 +16,23 @@ import numpy as np
 from kvstore.extent import CLEARED, HEADER_SIZE, Sealer
 
 
+def _check_owner(fd: int, path: str) -> None:
+    uid = os.fstat(fd).st_uid
+    if uid != os.geteuid():
+        raise PermissionError(f"shared memory {path} is owned by uid {uid}, not this process's user ({os.geteuid()})")
+
+
 class ShmArena:
     """A fixed-size shared-memory segment, mapped read-write.
 
     ``create=True`` makes (or reattaches, if present at the same size) the file and allocates
     its pages once up front: first touch of fresh memory runs at a fraction of memcpy speed, so
     it must not happen on the request path.
+
+    Access is limited to the daemon's user: the file is made with mode 0600 (a file of its own
+    with a wider mode is narrowed), never through a symbolic link, and one owned by another
+    user is refused; a client likewise maps only a file its own user owns (so a path handed to
+    it cannot make it write into someone else's file), else it uses the data port.
     """
 
     def __init__(self, path: str | os.PathLike, size: int, create: bool = False) -> None:
@@ -30,8 +41,11 @@ class ShmArena:
         self.reattached = False
         if create:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
+                _check_owner(fd, self.path)
+                if os.fstat(fd).st_mode & 0o077:
+                    os.fchmod(fd, 0o600)
                 existing = os.fstat(fd).st_size
                 if existing == size:
                     self.reattached = True
@@ -51,8 +65,9 @@ class ShmArena:
                 if fd >= 0:
                     os.close(fd)
         else:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
             try:
+                _check_owner(fd, self.path)
                 actual = os.fstat(fd).st_size
                 if actual != size:
                     raise OSError(f"shared memory {self.path} is {actual} bytes, expected {size}")

@@ -28,6 +28,7 @@ from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvstore.keys import KEY_BYTES, unpack_keys
 from kvstore.meta.daemons import DaemonLink, invalidations_pb
 from kvstore.meta.index import (
+    SEGMENT_ALIGN,
     Clock,
     DaemonSpec,
     Index,
@@ -92,6 +93,16 @@ class MetaServicer:
         for s in info.segments:
             if s.tier not in _TIERS and s.tier != 0:
                 raise InvalidArgument(f"segment {s.segment_id}: unknown tier {s.tier} (DRAM=1, SSD=2)")
+        # An inventory is bounded by what its segment can hold before anything is decoded: every
+        # block takes at least one alignment unit of the segment.
+        room = {s.segment_id: s.capacity_bytes // SEGMENT_ALIGN[Tier(s.tier or Tier.DRAM)] for s in info.segments}
+        for inv in request.inventory:
+            n = len(inv.keys) // KEY_BYTES
+            if n > room.get(inv.segment_id, 0):
+                raise InvalidArgument(
+                    f"inventory of segment {inv.segment_id}: {n} blocks cannot fit it "
+                    f"(at most {room.get(inv.segment_id, 0)}, or the segment is not declared)"
+                )
         spec = DaemonSpec(
             info.daemon_id,
             info.host_id,

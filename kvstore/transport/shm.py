@@ -7,23 +7,48 @@ sealed, when the metadata service commits the put (a writer cannot make bytes lo
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 
 import numpy as np
 
 from kvstore.daemon.arena import ShmArena
 from kvstore.extent import HEADER_SIZE, checksum
 
+log = logging.getLogger("kvstore.client")
+RETRY_S = 30.0
+
 
 class ShmTransport:
     def __init__(self) -> None:
         self._arenas: dict[str, ShmArena] = {}
         self._inodes: dict[str, int] = {}
+        self._refused: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def usable(self, shm_path: str) -> bool:
-        return bool(shm_path) and (shm_path in self._arenas or os.path.exists(shm_path))
+    def usable(self, shm_path: str, size: int = 0) -> bool:
+        """Whether this process can map the segment (given its size: maps it now). A segment it
+        may not map (another user's, or a link) is remembered for ``RETRY_S`` and the caller
+        uses the data port instead."""
+        if not shm_path:
+            return False
+        if shm_path in self._arenas:
+            return True
+        refused = self._refused.get(shm_path)
+        if refused is not None and time.monotonic() - refused < RETRY_S:
+            return False
+        if not os.path.exists(shm_path):
+            return False
+        if size:
+            try:
+                self.arena(shm_path, size)
+            except OSError as e:
+                self._refused[shm_path] = time.monotonic()
+                log.info("event=shm_refused path=%s reason=%r", shm_path, str(e))
+                return False
+        return True
 
     def arena(self, shm_path: str, size: int) -> ShmArena:
         a = self._arenas.get(shm_path)

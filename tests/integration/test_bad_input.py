@@ -217,3 +217,22 @@ def test_a_client_that_raises_mid_call_releases_its_lease_and_aborts_its_put(loa
         s = c.stats()
         assert s.active_leases == 0 and s.pending_puts == 0
     assert_unchanged(loaded.meta_addr)
+
+
+def test_an_inventory_larger_than_its_segment_is_refused_before_decoding(loaded):
+    from kvstore.v1 import common_pb2
+
+    info = common_pb2.DaemonInfo(
+        daemon_id="liar",
+        host_id="h",
+        data_addr="127.0.0.1:1",
+        control_addr="127.0.0.1:1",
+        segments=[common_pb2.Segment(segment_id=1, tier=1, capacity_bytes=8 * 256)],  # 8 slots of ALIGN
+    )
+    inv = common_pb2.Inventory(segment_id=1, keys=b"k" * 16 * 9)  # 9 blocks in 8 slots
+    with pytest.raises(InvalidArgument, match="9 blocks cannot fit it"):
+        raw_call(loaded.meta_addr, "RegisterDaemon", meta_pb2.RegisterDaemonRequest(daemon=info, inventory=[inv]))
+    inv = common_pb2.Inventory(segment_id=7, keys=b"k" * 16)
+    with pytest.raises(InvalidArgument, match="segment is not declared"):
+        raw_call(loaded.meta_addr, "RegisterDaemon", meta_pb2.RegisterDaemonRequest(daemon=info, inventory=[inv]))
+    assert_unchanged(loaded.meta_addr)
