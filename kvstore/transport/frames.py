@@ -37,6 +37,14 @@ MAX_ENTRIES = 65536
 MAX_MESSAGE = 4096
 
 
+class FrameError(Exception):
+    """A frame the daemon refuses whole (answered with its message; the connection closes)."""
+
+
+class TicketError(FrameError):
+    """An entry whose capability ticket does not allow it."""
+
+
 class Op(IntEnum):
     READ = 1
     WRITE = 2
@@ -53,6 +61,22 @@ class EntryStatus(IntEnum):
     MISMATCH = 1  # the extent no longer holds this key (evicted, overwritten)
     CHECKSUM = 2  # bytes do not match their checksum (written: as sent; read: as stored)
     IO_ERROR = 3
+
+
+def check_head(head: bytes) -> tuple[int, int, int]:
+    """A request head's (op, request_id, count), checked before anything else is read."""
+    if len(head) != REQ_HEAD.size:
+        raise FrameError(f"a request head is {REQ_HEAD.size} bytes, got {len(head)}")
+    magic, version, op, _flags, req_id, count = REQ_HEAD.unpack(head)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise FrameError(f"unsupported protocol version {version}, expected {VERSION}")
+    if op not in (Op.READ, Op.WRITE, Op.PING):
+        raise FrameError(f"unknown op {op}")
+    if count > MAX_ENTRIES:
+        raise FrameError(f"{count} entries is over the limit of {MAX_ENTRIES}")
+    return op, req_id, count
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:
