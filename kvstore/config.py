@@ -46,6 +46,10 @@ class MetaConfig:
     # Sign a capability ticket for every placement handed out, so that daemons serve a data-port
     # entry only to whom the service gave it (kvstore.tickets); false: daemons check none.
     data_tickets: bool = True
+    # Identities, roles and tenants (kvstore.meta.auth); empty: every caller trusted, one tenant.
+    auth_file: str = ""
+    # The secret tenant key masks derive from (made on first start); empty: <auth_file>.secret.
+    tenant_secret_file: str = ""
     move_batch_bytes: int = 64 << 20
     # Deadline of the service's calls to a daemon inside a client's call (commit, tombstones).
     daemon_rpc_timeout_s: float = 5.0
@@ -97,6 +101,11 @@ class DaemonConfig:
     max_block_bytes: int = 1 << 30
     # Clock difference between hosts tolerated when checking a data-port ticket's expiry.
     ticket_skew_s: float = 30.0
+    # Bearer token for the metadata service (its identity in meta.auth_file, named as the daemon id).
+    token: str = ""
+    # With mutual TLS: the certificate common names that may call the control API (commit,
+    # move, invalidate, inventory), comma-separated: the metadata service's.
+    control_peers: str = "meta"
 
 
 @dataclass
@@ -112,6 +121,8 @@ class ClientConfig:
     host_id: str = ""
     # Threads that copy (and checksum) one large batch in parallel; 1 = the calling thread only.
     io_threads: int = 2
+    # Bearer token for the metadata service (a tenant's or an admin's, see kvstore.meta.auth).
+    token: str = ""
 
 
 @dataclass

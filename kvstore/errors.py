@@ -60,9 +60,16 @@ class Timeout(KVStoreError, TimeoutError):
 
 
 class PermissionDenied(KVStoreError, PermissionError):
-    """The call is switched off on this server (e.g. clock skew without test mode)."""
+    """The caller may not make this call (its role or identity), or the call is switched off on
+    this server (e.g. clock skew without test mode)."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unauthenticated(KVStoreError, PermissionError):
+    """The caller presented no credentials the server knows."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class Internal(KVStoreError):
@@ -71,7 +78,17 @@ class Internal(KVStoreError):
 
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, Expired, ResourceExhausted, Unavailable, Timeout, PermissionDenied, Internal)
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        Expired,
+        ResourceExhausted,
+        Unavailable,
+        Timeout,
+        PermissionDenied,
+        Unauthenticated,
+        Internal,
+    )  # fmt: skip
 }
 
 

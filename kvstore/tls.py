@@ -104,13 +104,30 @@ def add_port(server: grpc.aio.Server, addr: str, tls: TlsConfig | None, what: st
     return server.add_secure_port(addr, creds)
 
 
-def aio_channel(addr: str, tls: TlsConfig | None, options: list[tuple[str, object]]) -> grpc.aio.Channel:
-    """A channel to a kvstore server: mutual TLS when configured."""
+class _Token(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call (see kvstore.meta.auth)."""
+
+    def __init__(self, token: str) -> None:
+        self.md = ("authorization", f"Bearer {token}")
+
+    async def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
+        md = list(details.metadata or []) + [self.md]
+        details = details._replace(metadata=md)
+        return await continuation(details, request)
+
+
+def aio_channel(
+    addr: str, tls: TlsConfig | None, options: list[tuple[str, object]], token: str = ""
+) -> grpc.aio.Channel:
+    """A channel to a kvstore server: mutual TLS when configured, and a bearer token on every
+    call when given."""
+    icpt = [_Token(token)] if token else None
     if tls is None or not tls.enabled:
-        return grpc.aio.insecure_channel(addr, options=options)
+        return grpc.aio.insecure_channel(addr, options=options, interceptors=icpt)
     ca, cert, key = _read(tls)
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    return grpc.aio.secure_channel(addr, creds, options=[*options, ("grpc.ssl_target_name_override", tls.server_name)])
+    opts = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
+    return grpc.aio.secure_channel(addr, creds, options=opts, interceptors=icpt)
 
 
 # ---- data port -------------------------------------------------------------------------------

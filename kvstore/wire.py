@@ -46,10 +46,11 @@ ROW_DTYPE = np.dtype(
 )
 
 
-def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0) -> pb.Locations:  # noqa: ANN001
+def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0, keys: bool = False) -> pb.Locations:  # noqa: ANN001
     """Packs replicas (index.Replica) as location rows plus one SegmentRef per distinct segment,
     and with ``op`` (tickets.READ or WRITE) a capability ticket per row for ``ttl_s`` seconds,
-    signed with each daemon's ticket key (none for daemons without one)."""
+    signed with each daemon's ticket key (none for daemons without one); with ``keys``, the keys the
+    blocks are stored under."""
     if not replicas:
         return pb.Locations()
     segs = {id(r.segment): r.segment for r in replicas}
@@ -71,6 +72,7 @@ def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0) -> pb.L
             ]
         )
     return pb.Locations(
+        keys=b"".join([r.entry.key for r in replicas]) if keys else b"",
         tickets=signed,
         rows=b"".join([r.row for r in replicas]),
         segments=[
@@ -92,6 +94,7 @@ class Placement(NamedTuple):
     checksum: int
     gen: int = 0
     ticket: bytes = tickets.NO_TICKET  # mac | expiry for the data port
+    key: bytes = b""  # the key the block is stored under, where it differs from the one asked for
 
     @property
     def segment_id(self) -> int:
@@ -104,6 +107,9 @@ def locations_from_pb(msg: pb.Locations, count: int) -> list[Placement]:
         return []
     if len(msg.rows) != count * ROW_DTYPE.itemsize:
         raise InvalidArgument(f"locations: {len(msg.rows)} bytes of rows for {count} keys")
+    if msg.keys and len(msg.keys) != count * 16:
+        raise InvalidArgument(f"locations: {len(msg.keys)} bytes of keys for {count} keys")
+    stored = [msg.keys[i * 16 : (i + 1) * 16] for i in range(count)] if msg.keys else [b""] * count
     if msg.tickets and len(msg.tickets) != count * tickets.TICKET.size:
         raise InvalidArgument(f"locations: {len(msg.tickets)} bytes of tickets for {count} keys")
     size = tickets.TICKET.size
@@ -117,9 +123,10 @@ def locations_from_pb(msg: pb.Locations, count: int) -> list[Placement]:
             seg = pb.Segment(segment_id=ref.segment_id, tier=ref.tier)
         table[ref.ref] = (ref.daemon, seg)
     out = []
-    for (ref, _r, off, length, csum, gen), ticket in zip(np.frombuffer(msg.rows, dtype=ROW_DTYPE).tolist(), signed):
+    rows = np.frombuffer(msg.rows, dtype=ROW_DTYPE).tolist()
+    for (ref, _r, off, length, csum, gen), ticket, key in zip(rows, signed, stored):
         if ref not in table:
             raise InvalidArgument(f"locations: row names segment ref {ref}, which the message does not describe")
         daemon, seg = table[ref]
-        out.append(Placement(daemon, seg, off, length, csum, gen, ticket))
+        out.append(Placement(daemon, seg, off, length, csum, gen, ticket, key))
     return out

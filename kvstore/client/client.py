@@ -66,7 +66,7 @@ class KVStoreClient:
         if self.cfg.transport not in ("auto", "shm", "tcp"):
             raise InvalidArgument(f"client.transport must be auto, shm or tcp, got {self.cfg.transport!r}")
         self.host_id = self.cfg.host_id or default_host_id()
-        self._channel = aio_channel(self.cfg.meta, tls, GRPC_OPTIONS)
+        self._channel = aio_channel(self.cfg.meta, tls, GRPC_OPTIONS, token=self.cfg.token)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._shm = ShmTransport()
         self._tcp = TcpTransport(
@@ -228,7 +228,7 @@ class KVStoreClient:
                 j += 1
             items = [
                 (
-                    keys[k],
+                    places[k].key or keys[k],
                     places[k].segment_id,
                     places[k].offset,
                     places[k].length,
@@ -394,8 +394,8 @@ class KVStoreClient:
                 tcp_groups.setdefault(p.daemon.data_addr, []).append(k)
         for addr, ks in tcp_groups.items():
             items = [
-                (packed[alloc[k] * KEY_BYTES : (alloc[k] + 1) * KEY_BYTES], places[k].segment_id, places[k].offset,
-                 places[k].length, sums[k - lo], places[k].gen, places[k].ticket)
+                (places[k].key or packed[alloc[k] * KEY_BYTES : (alloc[k] + 1) * KEY_BYTES], places[k].segment_id,
+                 places[k].offset, places[k].length, sums[k - lo], places[k].gen, places[k].ticket)
                 for k in ks
             ]  # fmt: skip
             try:

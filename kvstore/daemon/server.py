@@ -39,6 +39,7 @@ from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
 from kvstore.daemon.operations import SegmentOps, dram_inventory, inventory_pb
 from kvstore.daemon.ssd import SsdSegment
+from kvstore.errors import PermissionDenied
 from kvstore.extent import Sealer
 from kvstore.keys import KEY_BYTES
 from kvstore.metrics import DAEMON_COUNTERS, DaemonCollector, MetricsHttp
@@ -59,21 +60,38 @@ class _Control:
 
     def __init__(self, daemon: CacheDaemon) -> None:
         self.daemon = daemon
+        self.peers = {p.strip() for p in daemon.cfg.control_peers.split(",") if p.strip()}
+
+    def _check(self, context) -> None:  # noqa: ANN001
+        """With mutual TLS, only the metadata service's certificate (a common name listed in
+        daemon.control_peers) may drive the daemon; in-process calls carry no context."""
+        if context is None or self.daemon.tls is None or not self.daemon.tls.enabled:
+            return
+        names = {cn.decode(errors="replace") for cn in (context.auth_context() or {}).get("x509_common_name", ())}
+        if not names & self.peers:
+            raise PermissionDenied(
+                f"the control API serves only {sorted(self.peers)}, not {sorted(names) or 'anonymous'}"
+            )
 
     async def Info(self, request, context):
+        self._check(context)
         return self.daemon.info()
 
     async def GetInventory(self, request, context):
+        self._check(context)
         invs, discarded = await asyncio.to_thread(self.daemon.inventory, request.verify)
         return daemon_pb2.InventoryResponse(inventory=invs, discarded=discarded)
 
     async def Move(self, request, context):
+        self._check(context)
         return await asyncio.to_thread(self.daemon.move, request)
 
     async def Commit(self, request, context):
+        self._check(context)
         return await self.daemon.run(self.daemon.commit, request)
 
     async def Invalidate(self, request, context):
+        self._check(context)
         cleared = await self.daemon.run(self.daemon.invalidate, request.invalidations)
         return daemon_pb2.InvalidateResponse(cleared=cleared)
 
@@ -218,7 +236,7 @@ class CacheDaemon:
         await self._server.start()
         # NOT_SERVING until the metadata service knows this daemon (see _heartbeat_loop).
         await self.health.start()
-        self._channel = aio_channel(self.cfg.meta, self.tls, GRPC_OPTIONS)
+        self._channel = aio_channel(self.cfg.meta, self.tls, GRPC_OPTIONS, token=self.cfg.token)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
         log.info(
             "event=daemon_started daemon=%s data_port=%d control_port=%d metrics_port=%d dram_bytes=%d reattached=%s",

@@ -24,8 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from kvstore import tickets
 from kvstore.config import MetaConfig
-from kvstore.errors import InvalidArgument, PermissionDenied, Unavailable
+from kvstore.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.meta.auth import OPEN, Authority, Identity, require
 from kvstore.meta.daemons import DaemonLink, invalidations_pb
 from kvstore.meta.index import (
     SEGMENT_ALIGN,
@@ -79,14 +80,56 @@ def _inventory(request: meta_pb2.RegisterDaemonRequest) -> dict[int, list[Invent
 
 
 class MetaServicer:
-    def __init__(self, index: Index, link: DaemonLink, allow_clock_skew: bool = False, tickets: bool = True) -> None:
+    def __init__(
+        self,
+        index: Index,
+        link: DaemonLink,
+        allow_clock_skew: bool = False,
+        tickets: bool = True,
+        authority: Authority | None = None,
+    ) -> None:
         self.index = index
         self.link = link
         self.allow_clock_skew = allow_clock_skew
         self.tickets = tickets
+        self.authority = authority
+        # Who started each put and took each lease (with tenants): only they may end it.
+        self._put_owner: dict[int, str] = {}
+        self._lease_owner: dict[int, str] = {}
+
+    # ---- identity ---------------------------------------------------------------------------
+
+    def _who(self, context, *roles: str) -> Identity:  # noqa: ANN001
+        if self.authority is None:
+            return OPEN
+        ident = self.authority.identify(context)
+        require(ident, *roles)
+        return ident
+
+    def _keys(self, packed: bytes, ident: Identity, tenant: str = "") -> bytes:
+        """The caller's keys as the index stores them (its own tenant's, or for an admin the
+        named tenant's)."""
+        if self.authority is None:
+            return packed
+        if tenant and tenant != ident.name and ident.role != "admin":
+            raise PermissionDenied(f"tenant {ident.name!r} may act only on its own blocks, not {tenant!r}'s")
+        return self.authority.keys(packed, tenant or ident.name)
+
+    def _own(self, owners: dict[int, str], table: dict, ident: Identity, item_id: int, what: str) -> None:
+        """A put or lease of another tenant is as unknown as one that never was."""
+        if self.authority is None:
+            return
+        if len(owners) > 2 * len(table) + 1024:  # forget the ones that ended meanwhile
+            for k in [k for k in owners if k not in table]:
+                del owners[k]
+        if owners.get(item_id) != ident.name and ident.role != "admin":
+            raise NotFound(f"{what} {item_id} is unknown (already ended, or not yours)")
 
     async def RegisterDaemon(self, request, context):
         info = request.daemon
+        ident = self._who(context, "daemon")
+        if self.authority is not None and info.daemon_id != ident.name:
+            raise PermissionDenied(f"daemon {ident.name!r} may register only under its own id, not {info.daemon_id!r}")
         if request.ticket_key and len(request.ticket_key) != tickets.KEY_BYTES:
             raise InvalidArgument(f"ticket_key must be {tickets.KEY_BYTES} bytes, got {len(request.ticket_key)}")
         key = request.ticket_key if self.tickets else b""
@@ -138,6 +181,9 @@ class MetaServicer:
         )
 
     async def DrainDaemon(self, request, context):
+        ident = self._who(context, "daemon", "admin")
+        if ident.role == "daemon" and self.authority is not None and request.daemon_id != ident.name:
+            raise PermissionDenied(f"daemon {ident.name!r} may drain only itself")
         if not request.daemon_id:
             raise InvalidArgument("daemon_id is empty")
         dropped, held, wait = self.index.drain_daemon(request.daemon_id)
@@ -149,6 +195,9 @@ class MetaServicer:
         )
 
     def Heartbeat(self, request, context):
+        ident = self._who(context, "daemon")
+        if self.authority is not None and request.daemon_id != ident.name:
+            raise PermissionDenied(f"daemon {ident.name!r} may heartbeat only for itself")
         known = self.index.heartbeat(request.daemon_id)
         if not known:
             return meta_pb2.HeartbeatResponse(known=False)
@@ -158,9 +207,10 @@ class MetaServicer:
     async def PutStart(self, request, context):
         n = len(request.keys) // KEY_BYTES
         sizes = unpack(request.sizes, U64, "sizes", n if len(request.keys) % KEY_BYTES == 0 else None)
+        ident = self._who(context, "tenant", "admin")
         mark = self.link.mark()
         res = self.index.put_start(
-            request.keys,
+            self._keys(request.keys, ident),
             sizes,
             host_id=request.host_id,
             timeout_s=request.timeout_ms / 1000.0,
@@ -169,14 +219,17 @@ class MetaServicer:
         # Space freed by eviction is handed out only once its old blocks are gone on their
         # daemons: a restarted service must not find an evicted block again.
         await self.link.flush(mark)
+        if res.placements and self.authority is not None:
+            self._put_owner[res.put_id] = ident.name
         return meta_pb2.PutStartResponse(
             put_id=res.put_id,
             status=pack(res.status, U8),
-            placements=locations_to_pb(res.placements, tickets.WRITE, res.deadline),
+            placements=locations_to_pb(res.placements, tickets.WRITE, res.deadline, keys=self.authority is not None),
             deadline_unix_ms=int((time.time() + res.deadline) * 1000),
         )
 
     async def PutCommit(self, request, context):
+        self._own(self._put_owner, self.index.puts, self._who(context, "tenant", "admin"), request.put_id, "put")
         sums = unpack(request.checksums, U64, "checksums")
         written = _flags(request.written, "written") if request.written else None
         pc = self.index.put_commit_begin(request.put_id, sums, written)  # drops only unwritten blocks
@@ -187,31 +240,38 @@ class MetaServicer:
         return meta_pb2.PutCommitResponse(committed=committed, status=pack(status, U8))
 
     async def PutAbort(self, request, context):
+        self._own(self._put_owner, self.index.puts, self._who(context, "tenant", "admin"), request.put_id, "put")
         mark = self.link.mark()
         released = self.index.put_abort(request.put_id)
         await self.link.flush(mark)
         return meta_pb2.PutAbortResponse(released=released)
 
     def Lookup(self, request, context):
+        ident = self._who(context, "tenant", "admin")
         hit, exists, locs = self.index.lookup(
-            request.keys, per_key=request.per_key, with_locations=request.with_locations
+            self._keys(request.keys, ident), per_key=request.per_key, with_locations=request.with_locations
         )
         return meta_pb2.LookupResponse(
             hit_count=hit,
             exists=pack(exists, U8) if request.per_key else b"",
-            locations=locations_to_pb(locs) if request.with_locations else None,
+            locations=locations_to_pb(locs, keys=self.authority is not None) if request.with_locations else None,
         )
 
     def Acquire(self, request, context):
-        res = self.index.acquire(request.keys, ttl_s=request.ttl_ms / 1000.0)
+        ident = self._who(context, "tenant", "admin")
+        res = self.index.acquire(self._keys(request.keys, ident), ttl_s=request.ttl_ms / 1000.0)
+        if res.lease_id and self.authority is not None:
+            self._lease_owner[res.lease_id] = ident.name
         return meta_pb2.AcquireResponse(
             hit_count=res.hit_count,
             lease_id=res.lease_id,
-            locations=locations_to_pb(res.locations, tickets.READ, res.ttl),
+            locations=locations_to_pb(res.locations, tickets.READ, res.ttl, keys=self.authority is not None),
             ttl_ms=int(res.ttl * 1000),
         )
 
     async def Release(self, request, context):
+        ident = self._who(context, "tenant", "admin")
+        self._own(self._lease_owner, self.index.leases, ident, request.lease_id, "lease")
         mark = self.link.mark()
         self.index.release(request.lease_id, unpack(request.corrupt, U32, "corrupt"))
         await self.link.flush(mark)
@@ -219,7 +279,8 @@ class MetaServicer:
 
     async def Remove(self, request, context):
         mark = self.link.mark()
-        n = self.index.remove(request.keys)
+        ident = self._who(context, "tenant", "admin")
+        n = self.index.remove(self._keys(request.keys, ident, request.tenant))
         failed = await self.link.flush(mark)
         if failed:
             raise Unavailable(
@@ -230,12 +291,15 @@ class MetaServicer:
         return meta_pb2.CountResponse(count=n)
 
     def Pin(self, request, context):
-        return meta_pb2.CountResponse(count=self.index.pin(request.keys, True))
+        keys = self._keys(request.keys, self._who(context, "tenant", "admin"), request.tenant)
+        return meta_pb2.CountResponse(count=self.index.pin(keys, True))
 
     def Unpin(self, request, context):
-        return meta_pb2.CountResponse(count=self.index.pin(request.keys, False))
+        keys = self._keys(request.keys, self._who(context, "tenant", "admin"), request.tenant)
+        return meta_pb2.CountResponse(count=self.index.pin(keys, False))
 
     def Stats(self, request, context):
+        self._who(context, "admin")
         idx = self.index
         now = idx.clock.now()
         resp = meta_pb2.StatsResponse(
@@ -267,6 +331,7 @@ class MetaServicer:
         return resp
 
     async def AdvanceClock(self, request, context):
+        self._who(context, "admin")
         if not self.allow_clock_skew:
             raise PermissionDenied("AdvanceClock is off: start the service with meta.allow_clock_skew=true")
         if not math.isfinite(request.seconds) or request.seconds < 0:
@@ -324,7 +389,8 @@ class MetaServer:
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
-        servicer = MetaServicer(self.index, self.link, self.cfg.allow_clock_skew, self.cfg.data_tickets)
+        authority = Authority(self.cfg.auth_file, self.cfg.tenant_secret_file) if self.cfg.auth_file else None
+        servicer = MetaServicer(self.index, self.link, self.cfg.allow_clock_skew, self.cfg.data_tickets, authority)
         add_service(self.server, meta_pb2, "MetaService", servicer, self.registry)
         add_service(self.server, health_pb2, "Health", self.health.servicer)
         reflection.enable_server_reflection(

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstore/v1/common.proto\x12\nkvstore.v1\"g\n\x07Segment\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x10\n\x08shm_path\x18\x04 \x01(\t\"\x80\x01\n\nDaemonInfo\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x11\n\tdata_addr\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontrol_addr\x18\x04 \x01(\t\x12%\n\x08segments\x18\x05 \x03(\x0b\x32\x13.kvstore.v1.Segment\"u\n\nSegmentRef\x12\x0b\n\x03ref\x18\x01 \x01(\r\x12&\n\x06\x64\x61\x65mon\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.DaemonInfo\x12\x12\n\nsegment_id\x18\x03 \x01(\r\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvstore.v1.Tier\"T\n\tLocations\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12(\n\x08segments\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.SegmentRef\x12\x0f\n\x07tickets\x18\x03 \x01(\x0c\"z\n\tInventory\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x0c\x12\x0e\n\x06length\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x0c\x12\x0b\n\x03gen\x18\x06 \x01(\x0c\x12\x0c\n\x04size\x18\x07 \x01(\x0c\"M\n\x0cInvalidation\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x0c\x12\x0b\n\x03gen\x18\x04 \x01(\x0c*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x0c\n\x08TIER_SSD\x10\x02\x12\x0c\n\x08TIER_GPU\x10\x03*w\n\x0c\x43ommitStatus\x12\r\n\tCOMMIT_OK\x10\x00\x12\x16\n\x12\x43OMMIT_NOT_WRITTEN\x10\x01\x12\x13\n\x0f\x43OMMIT_MISMATCH\x10\x02\x12\x13\n\x0f\x43OMMIT_NO_SPACE\x10\x03\x12\x16\n\x12\x43OMMIT_UNAVAILABLE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstore/v1/common.proto\x12\nkvstore.v1\"g\n\x07Segment\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x10\n\x08shm_path\x18\x04 \x01(\t\"\x80\x01\n\nDaemonInfo\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x11\n\tdata_addr\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontrol_addr\x18\x04 \x01(\t\x12%\n\x08segments\x18\x05 \x03(\x0b\x32\x13.kvstore.v1.Segment\"u\n\nSegmentRef\x12\x0b\n\x03ref\x18\x01 \x01(\r\x12&\n\x06\x64\x61\x65mon\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.DaemonInfo\x12\x12\n\nsegment_id\x18\x03 \x01(\r\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvstore.v1.Tier\"b\n\tLocations\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12(\n\x08segments\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.SegmentRef\x12\x0f\n\x07tickets\x18\x03 \x01(\x0c\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\"z\n\tInventory\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x0c\x12\x0e\n\x06length\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x0c\x12\x0b\n\x03gen\x18\x06 \x01(\x0c\x12\x0c\n\x04size\x18\x07 \x01(\x0c\"M\n\x0cInvalidation\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x0c\x12\x0b\n\x03gen\x18\x04 \x01(\x0c*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x0c\n\x08TIER_SSD\x10\x02\x12\x0c\n\x08TIER_GPU\x10\x03*w\n\x0c\x43ommitStatus\x12\r\n\tCOMMIT_OK\x10\x00\x12\x16\n\x12\x43OMMIT_NOT_WRITTEN\x10\x01\x12\x13\n\x0f\x43OMMIT_MISMATCH\x10\x02\x12\x13\n\x0f\x43OMMIT_NO_SPACE\x10\x03\x12\x16\n\x12\x43OMMIT_UNAVAILABLE\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=683
-  _globals['_TIER']._serialized_end=754
-  _globals['_COMMITSTATUS']._serialized_start=756
-  _globals['_COMMITSTATUS']._serialized_end=875
+  _globals['_TIER']._serialized_start=697
+  _globals['_TIER']._serialized_end=768
+  _globals['_COMMITSTATUS']._serialized_start=770
+  _globals['_COMMITSTATUS']._serialized_end=889
   _globals['_SEGMENT']._serialized_start=39
   _globals['_SEGMENT']._serialized_end=142
   _globals['_DAEMONINFO']._serialized_start=145
@@ -42,9 +42,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEGMENTREF']._serialized_start=275
   _globals['_SEGMENTREF']._serialized_end=392
   _globals['_LOCATIONS']._serialized_start=394
-  _globals['_LOCATIONS']._serialized_end=478
-  _globals['_INVENTORY']._serialized_start=480
-  _globals['_INVENTORY']._serialized_end=602
-  _globals['_INVALIDATION']._serialized_start=604
-  _globals['_INVALIDATION']._serialized_end=681
+  _globals['_LOCATIONS']._serialized_end=492
+  _globals['_INVENTORY']._serialized_start=494
+  _globals['_INVENTORY']._serialized_end=616
+  _globals['_INVALIDATION']._serialized_start=618
+  _globals['_INVALIDATION']._serialized_end=695
 # @@protoc_insertion_point(module_scope)

@@ -70,14 +70,16 @@ class SegmentRef(_message.Message):
     def __init__(self, ref: _Optional[int] = ..., daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., segment_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class Locations(_message.Message):
-    __slots__ = ("rows", "segments", "tickets")
+    __slots__ = ("rows", "segments", "tickets", "keys")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     TICKETS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     rows: bytes
     segments: _containers.RepeatedCompositeFieldContainer[SegmentRef]
     tickets: bytes
-    def __init__(self, rows: _Optional[bytes] = ..., segments: _Optional[_Iterable[_Union[SegmentRef, _Mapping]]] = ..., tickets: _Optional[bytes] = ...) -> None: ...
+    keys: bytes
+    def __init__(self, rows: _Optional[bytes] = ..., segments: _Optional[_Iterable[_Union[SegmentRef, _Mapping]]] = ..., tickets: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class Inventory(_message.Message):
     __slots__ = ("segment_id", "keys", "offset", "length", "checksum", "gen", "size")

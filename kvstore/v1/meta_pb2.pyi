@@ -192,10 +192,12 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "tenant")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
-    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, keys: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CountResponse(_message.Message):
     __slots__ = ("count",)

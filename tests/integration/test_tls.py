@@ -10,6 +10,7 @@ import ssl
 import subprocess
 import sys
 
+import grpc
 import numpy as np
 import pytest
 
@@ -128,3 +129,19 @@ def test_tls_settings_are_checked(tmp_path):
     bad = TlsConfig(ca=str(tmp_path / "junk.pem"), cert=str(tmp_path / "junk.pem"), key=str(tmp_path / "junk.pem"))
     with pytest.raises(InvalidArgument, match="is not a PEM file"):
         SyncKVStoreClient("127.0.0.1:1", tls=bad)
+
+
+def test_only_the_service_drives_a_daemon(secured):
+    # The daemon's control API (commit, move, invalidate, inventory) answers the metadata
+    # service's certificate only: a client's, though signed by the same CA, is refused.
+    from kvstore.v1 import daemon_pb2, daemon_pb2_grpc
+
+    good = tls_of(secured.certs, "client")
+    with SyncKVStoreClient(secured.meta_addr, tls=good) as c:
+        ctl = c.stats().daemons[0].info.control_addr
+    ca, cert, key = (open(p, "rb").read() for p in (good.ca, good.cert, good.key))
+    creds = grpc.ssl_channel_credentials(ca, key, cert)
+    with grpc.secure_channel(ctl, creds, options=[("grpc.ssl_target_name_override", "kvstore")]) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            daemon_pb2_grpc.DaemonControlStub(ch).GetInventory(daemon_pb2.InventoryRequest(), timeout=10)
+        assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -1,0 +1,140 @@
+"""Tenants, daemons and admins with credentials (meta.auth_file), against real processes: two
+tenants with identical prompts never see each other's blocks, neither can remove, pin, release
+or commit what is the other's, only a daemon may register (under its own id), only an admin
+reads statistics or acts on a tenant's blocks, and a restarted service keeps them apart."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
+from kvstore.config import ClientConfig
+from kvstore.errors import NotFound, PermissionDenied, Unauthenticated, from_rpc_error
+from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
+
+TOK = {n: f"{n}-token-0123456789abcdef" for n in ("a", "b", "node", "ops")}
+KS = KeySpace(ModelFingerprint("tenants", "bf16", 2, 2, 64))  # the same key space: identical prompts
+KEYS = KS.block_keys(np.arange(64))
+DA = [np.full(5000, 11, np.uint8) for _ in KEYS]
+DB = [np.full(5000, 22, np.uint8) for _ in KEYS]
+
+
+@pytest.fixture
+def tenants(cluster, tmp_path):  # noqa: ANN001
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(
+        "identities:\n"
+        f"  tenant-a: {{role: tenant, tokens: [{TOK['a']}]}}\n"
+        f"  tenant-b: {{role: tenant, tokens: [{TOK['b']}]}}\n"
+        f"  node: {{role: daemon, tokens: [{TOK['node']}]}}\n"
+        f"  ops: {{role: admin, tokens: [{TOK['ops']}]}}\n"
+    )
+    cluster.start_meta(f"meta.auth_file={auth}")
+    cluster.start_daemon(f"daemon.token={TOK['node']}", name="node")
+    cluster.auth = auth
+    return cluster
+
+
+def client(cluster, who: str, transport: str = "auto") -> SyncKVStoreClient:  # noqa: ANN001
+    return SyncKVStoreClient(cluster.meta_addr, ClientConfig(token=TOK[who], transport=transport, retries=0))
+
+
+def get(c: SyncKVStoreClient) -> tuple[int, list[np.ndarray]]:
+    out = [np.zeros(5000, np.uint8) for _ in KEYS]
+    return c.get_into(KEYS, out), out
+
+
+def raw(cluster, who: str | None, method: str, request):  # noqa: ANN001, ANN201
+    md = [("authorization", f"Bearer {TOK[who]}")] if who else None
+    with grpc.insecure_channel(cluster.meta_addr) as ch:
+        try:
+            return getattr(meta_pb2_grpc.MetaServiceStub(ch), method)(request, metadata=md, timeout=10)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_identical_prompts_of_two_tenants_never_meet(tenants, transport):
+    with client(tenants, "a", transport) as a, client(tenants, "b", transport) as b:
+        assert a.put(KEYS, DA).stored == len(KEYS)
+        assert b.lookup(KEYS) == 0 and get(b)[0] == 0  # 0 cross-tenant hits
+        assert b.put(KEYS, DB).stored == len(KEYS)  # dedup is per tenant: stored again
+        n, out = get(a)
+        assert n == len(KEYS) and all(np.array_equal(x, y) for x, y in zip(out, DA))
+        n, out = get(b)
+        assert n == len(KEYS) and all(np.array_equal(x, y) for x, y in zip(out, DB))
+        # B removing and pinning "its" keys touches only its own blocks.
+        assert b.remove(KEYS) == len(KEYS)
+        assert get(a)[0] == len(KEYS) and get(b)[0] == 0
+
+
+def test_leases_and_puts_are_their_owners(tenants):
+    with client(tenants, "a") as a:
+        assert a.put(KEYS, DA).stored == len(KEYS)
+    lease = raw(tenants, "a", "Acquire", meta_pb2.AcquireRequest(keys=b"".join(KEYS)))
+    assert lease.hit_count == len(KEYS) and len(lease.locations.keys) == 16 * len(KEYS)
+    assert lease.locations.keys != b"".join(KEYS)  # stored under the tenant's keys, not the asked ones
+    with pytest.raises(NotFound):
+        raw(tenants, "b", "Release", meta_pb2.ReleaseRequest(lease_id=lease.lease_id))
+    raw(tenants, "a", "Release", meta_pb2.ReleaseRequest(lease_id=lease.lease_id))
+    other = KS.block_keys(np.arange(100, 116))[0]
+    put = raw(tenants, "a", "PutStart", meta_pb2.PutStartRequest(keys=other, sizes=np.array([10], "<u8").tobytes()))
+    for method, req in (("PutAbort", meta_pb2.PutAbortRequest(put_id=put.put_id)),
+                        ("PutCommit", meta_pb2.PutCommitRequest(put_id=put.put_id, checksums=bytes(8)))):  # fmt: skip
+        with pytest.raises(NotFound):
+            raw(tenants, "b", method, req)
+    raw(tenants, "a", "PutAbort", meta_pb2.PutAbortRequest(put_id=put.put_id))
+
+
+def test_roles(tenants):
+    info = common_pb2.DaemonInfo(daemon_id="node", host_id="h", data_addr="127.0.0.1:1", control_addr="127.0.0.1:1")
+    with pytest.raises(Unauthenticated):
+        raw(tenants, None, "Lookup", meta_pb2.LookupRequest(keys=KEYS[0]))
+    with pytest.raises(Unauthenticated):
+        SyncKVStoreClient(tenants.meta_addr, ClientConfig(token="wrong-token-0123456789", retries=0)).lookup(KEYS)
+    with pytest.raises(PermissionDenied, match="needs: daemon"):
+        raw(tenants, "a", "RegisterDaemon", meta_pb2.RegisterDaemonRequest(daemon=info))
+    fake = common_pb2.DaemonInfo(daemon_id="other", host_id="h", data_addr="127.0.0.1:1", control_addr="127.0.0.1:1")
+    with pytest.raises(PermissionDenied, match="only under its own id"):
+        raw(tenants, "node", "RegisterDaemon", meta_pb2.RegisterDaemonRequest(daemon=fake))
+    with pytest.raises(PermissionDenied, match="only for itself"):
+        raw(tenants, "node", "Heartbeat", meta_pb2.HeartbeatRequest(daemon_id="other"))
+    with pytest.raises(PermissionDenied):
+        raw(tenants, "a", "Stats", meta_pb2.StatsRequest())
+    with pytest.raises(PermissionDenied):
+        raw(tenants, "a", "DrainDaemon", meta_pb2.DrainDaemonRequest(daemon_id="node"))
+    with pytest.raises(PermissionDenied, match="only on its own blocks"):
+        raw(tenants, "b", "Remove", meta_pb2.KeysRequest(keys=KEYS[0], tenant="tenant-a"))
+    with pytest.raises(PermissionDenied):
+        raw(tenants, "node", "Lookup", meta_pb2.LookupRequest(keys=KEYS[0]))
+    assert raw(tenants, "ops", "Stats", meta_pb2.StatsRequest()).daemons[0].info.daemon_id == "node"
+
+
+def test_an_admin_acts_on_a_tenants_blocks(tenants):
+    with client(tenants, "a") as a:
+        assert a.put(KEYS, DA).stored == len(KEYS)
+        packed = b"".join(KEYS)
+        assert raw(tenants, "ops", "Remove", meta_pb2.KeysRequest(keys=packed)).count == 0  # its own: none
+        assert raw(tenants, "ops", "Remove", meta_pb2.KeysRequest(keys=packed, tenant="tenant-a")).count == len(KEYS)
+        assert a.lookup(KEYS) == 0
+
+
+def test_a_restarted_service_keeps_tenants_apart(tenants):
+    with client(tenants, "a") as a:
+        assert a.put(KEYS, DA).stored == len(KEYS)
+    meta = tenants.procs[0]
+    meta.stop()
+    tenants.procs.remove(meta)
+    port = tenants.meta_addr.rpartition(":")[2]
+    tenants.start_meta(f"meta.auth_file={tenants.auth}", listen=f"127.0.0.1:{port}")
+    import time
+
+    deadline = time.monotonic() + 20
+    with client(tenants, "a") as a, client(tenants, "b") as b:
+        while a.lookup(KEYS) < len(KEYS) and time.monotonic() < deadline:  # the daemon re-registers
+            time.sleep(0.1)
+        n, out = get(a)
+        assert n == len(KEYS) and all(np.array_equal(x, y) for x, y in zip(out, DA))
+        assert get(b)[0] == 0
