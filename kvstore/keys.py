@@ -40,6 +40,7 @@ _T_DOMAIN, _T_VERSION, _T_ALGO, _T_NAMESPACE = 1, 2, 3, 4
 _T_MODEL, _T_DTYPE, _T_LAYERS, _T_KV_HEADS, _T_HEAD_DIM = 5, 6, 7, 8, 9
 _T_BLOCK_SIZE, _T_TP_RANK, _T_TP_SIZE, _T_LAYOUT = 10, 11, 12, 13
 _T_PARENT, _T_TOKENS, _T_EXTRA = 20, 21, 22
+_T_SALT = 14
 # Field types.
 _Y_BYTES, _Y_STR, _Y_U64, _Y_U32_ARRAY = 1, 2, 3, 4
 
@@ -131,6 +132,9 @@ class KeySpace:
     fingerprint: ModelFingerprint
     namespace: str = "default"
     algo: str = "xxh3_128"
+    # A tenant's secret (16+ random bytes; use algo="sha256" with it): keys then cannot be
+    # computed by anyone without it, even knowing the namespace, model and prompt. Empty: none.
+    salt: bytes = field(default=b"", repr=False)
     root: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +154,12 @@ class KeySpace:
                 self.fingerprint.encode(),
             )
         )
+        if not isinstance(self.salt, bytes):
+            raise InvalidArgument(f"salt must be bytes, got {type(self.salt).__name__}")
+        if self.salt:
+            if len(self.salt) < 16:
+                raise InvalidArgument(f"salt must be at least 16 bytes (a secret), got {len(self.salt)}")
+            seed += _field(_T_SALT, _Y_BYTES, self.salt)
         object.__setattr__(self, "root", h(seed))
 
     @property

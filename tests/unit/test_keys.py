@@ -548,3 +548,15 @@ def test_pack_keys_names_bad_key_index():
         pack_keys(b"\x00" * 33)
     with pytest.raises(InvalidArgument, match="multiple of 16"):
         unpack_keys(b"\x00" * 17)
+
+
+def test_a_salt_changes_every_key_and_none_keeps_them():
+    fp = ModelFingerprint("m", "bf16", 2, 2, 64)
+    toks = list(range(64))
+    plain = KeySpace(fp, "t").block_keys(toks)
+    assert KeySpace(fp, "t", salt=b"").block_keys(toks) == plain  # golden vectors unchanged
+    s1 = KeySpace(fp, "t", "sha256", salt=b"s" * 16).block_keys(toks)
+    s2 = KeySpace(fp, "t", "sha256", salt=b"z" * 16).block_keys(toks)
+    assert not set(s1) & set(s2) and not set(s1) & set(KeySpace(fp, "t", "sha256").block_keys(toks))
+    with pytest.raises(InvalidArgument, match="at least 16 bytes"):
+        KeySpace(fp, "t", salt=b"short")
