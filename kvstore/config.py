@@ -50,6 +50,10 @@ class MetaConfig:
     auth_file: str = ""
     # The secret tenant key masks derive from (made on first start); empty: <auth_file>.secret.
     tenant_secret_file: str = ""
+    # Bytes one tenant may hold in read leases and in pins (0: no bound), so that no tenant can
+    # keep the pool's space from eviction.
+    tenant_max_leased_bytes: int = 0
+    tenant_max_pinned_bytes: int = 0
     move_batch_bytes: int = 64 << 20
     # Deadline of the service's calls to a daemon inside a client's call (commit, tombstones).
     daemon_rpc_timeout_s: float = 5.0
@@ -276,6 +280,8 @@ def validate(cfg: Config) -> None:
         if not (math.isfinite(v) and 0 <= v <= 1):
             raise InvalidArgument(f"meta.{key}: must be a fraction in [0, 1], got {v}")
     one_of("meta", "cache_policy", POLICIES)
+    for key in ("tenant_max_leased_bytes", "tenant_max_pinned_bytes"):
+        positive("meta", key, allow_zero=True)
     if m.dram_low_watermark >= m.dram_high_watermark:
         raise InvalidArgument(
             f"meta.dram_low_watermark ({m.dram_low_watermark}) must be below meta.dram_high_watermark "

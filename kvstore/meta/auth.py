@@ -134,3 +134,30 @@ def _secret(path: str) -> bytes:
     if len(data) != SECRET_BYTES:
         raise InvalidArgument(f"meta.tenant_secret_file {path}: expected {SECRET_BYTES} bytes, got {len(data)}")
     return data
+
+
+class Quotas:
+    """Per-tenant bytes held in read leases and in pins, bounded by
+    ``meta.tenant_max_leased_bytes`` and ``meta.tenant_max_pinned_bytes`` (0: no bound), so that
+    one tenant cannot hold the pool's space against eviction. Leases and pins that ended
+    elsewhere (expiry, removal) are forgotten when the tenant's total is next checked."""
+
+    def __init__(self, max_leased: int = 0, max_pinned: int = 0) -> None:
+        self.max_leased = max_leased
+        self.max_pinned = max_pinned
+        self.leases: dict[int, tuple[str, int]] = {}  # lease id -> (tenant, bytes)
+        self.pins: dict[bytes, tuple[str, int]] = {}  # stored key -> (tenant, bytes)
+
+    def lease_fits(self, tenant: str, nbytes: int, live: dict) -> tuple[bool, int]:
+        for lid in [lid for lid, (t, _b) in self.leases.items() if t == tenant and lid not in live]:
+            del self.leases[lid]
+        held = sum(b for t, b in self.leases.values() if t == tenant)
+        return held + nbytes <= self.max_leased, held
+
+    def pins_fit(self, tenant: str, nbytes: int, entries: dict) -> tuple[bool, int]:
+        for k in [k for k, (t, _b) in self.pins.items() if t == tenant]:
+            e = entries.get(k)
+            if e is None or not e.pinned:
+                del self.pins[k]
+        held = sum(b for t, b in self.pins.values() if t == tenant)
+        return held + nbytes <= self.max_pinned, held

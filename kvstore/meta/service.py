@@ -24,9 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from kvstore import tickets
 from kvstore.config import MetaConfig
-from kvstore.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kvstore.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from kvstore.keys import KEY_BYTES, unpack_keys
-from kvstore.meta.auth import OPEN, Authority, Identity, require
+from kvstore.meta.auth import OPEN, Authority, Identity, Quotas, require
 from kvstore.meta.daemons import DaemonLink, invalidations_pb
 from kvstore.meta.index import (
     SEGMENT_ALIGN,
@@ -87,8 +87,10 @@ class MetaServicer:
         allow_clock_skew: bool = False,
         tickets: bool = True,
         authority: Authority | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.index = index
+        self.quotas = quotas or Quotas()
         self.link = link
         self.allow_clock_skew = allow_clock_skew
         self.tickets = tickets
@@ -260,6 +262,16 @@ class MetaServicer:
     def Acquire(self, request, context):
         ident = self._who(context, "tenant", "admin")
         res = self.index.acquire(self._keys(request.keys, ident), ttl_s=request.ttl_ms / 1000.0)
+        if res.lease_id and self.quotas.max_leased:
+            nbytes = sum(r.length for r in res.locations)
+            fits, held = self.quotas.lease_fits(ident.name, nbytes, self.index.leases)
+            if not fits:
+                self.index.release(res.lease_id)
+                raise ResourceExhausted(
+                    f"tenant {ident.name!r} holds {held} bytes in read leases; {nbytes} more would pass its quota of "
+                    f"{self.quotas.max_leased} (meta.tenant_max_leased_bytes): release leases first"
+                )
+            self.quotas.leases[res.lease_id] = (ident.name, nbytes)
         if res.lease_id and self.authority is not None:
             self._lease_owner[res.lease_id] = ident.name
         return meta_pb2.AcquireResponse(
@@ -274,6 +286,7 @@ class MetaServicer:
         self._own(self._lease_owner, self.index.leases, ident, request.lease_id, "lease")
         mark = self.link.mark()
         self.index.release(request.lease_id, unpack(request.corrupt, U32, "corrupt"))
+        self.quotas.leases.pop(request.lease_id, None)
         await self.link.flush(mark)
         return meta_pb2.ReleaseResponse(released=True)
 
@@ -291,12 +304,34 @@ class MetaServicer:
         return meta_pb2.CountResponse(count=n)
 
     def Pin(self, request, context):
-        keys = self._keys(request.keys, self._who(context, "tenant", "admin"), request.tenant)
-        return meta_pb2.CountResponse(count=self.index.pin(keys, True))
+        ident = self._who(context, "tenant", "admin")
+        keys = self._keys(request.keys, ident, request.tenant)
+        if not self.quotas.max_pinned:
+            return meta_pb2.CountResponse(count=self.index.pin(keys, True))
+        tenant = request.tenant or ident.name
+        new = {}
+        for k in unpack_keys(keys) if len(keys) % KEY_BYTES == 0 else []:
+            e = self.index.entries.get(k)
+            if e is not None and e.complete and not e.pinned and e.replica is not None:
+                new[k] = e.replica.length
+        fits, held = self.quotas.pins_fit(tenant, sum(new.values()), self.index.entries)
+        if not fits:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} pins {held} bytes; {sum(new.values())} more would pass its quota of "
+                f"{self.quotas.max_pinned} (meta.tenant_max_pinned_bytes)"
+            )
+        n = self.index.pin(keys, True)
+        for k, nbytes in new.items():
+            self.quotas.pins[k] = (tenant, nbytes)
+        return meta_pb2.CountResponse(count=n)
 
     def Unpin(self, request, context):
         keys = self._keys(request.keys, self._who(context, "tenant", "admin"), request.tenant)
-        return meta_pb2.CountResponse(count=self.index.pin(keys, False))
+        n = self.index.pin(keys, False)
+        if self.quotas.pins and len(keys) % KEY_BYTES == 0:
+            for k in unpack_keys(keys):
+                self.quotas.pins.pop(k, None)
+        return meta_pb2.CountResponse(count=n)
 
     def Stats(self, request, context):
         self._who(context, "admin")
@@ -390,7 +425,10 @@ class MetaServer:
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
         authority = Authority(self.cfg.auth_file, self.cfg.tenant_secret_file) if self.cfg.auth_file else None
-        servicer = MetaServicer(self.index, self.link, self.cfg.allow_clock_skew, self.cfg.data_tickets, authority)
+        quotas = Quotas(self.cfg.tenant_max_leased_bytes, self.cfg.tenant_max_pinned_bytes)
+        servicer = MetaServicer(
+            self.index, self.link, self.cfg.allow_clock_skew, self.cfg.data_tickets, authority, quotas
+        )
         add_service(self.server, meta_pb2, "MetaService", servicer, self.registry)
         add_service(self.server, health_pb2, "Health", self.health.servicer)
         reflection.enable_server_reflection(

@@ -580,3 +580,25 @@ def test_dashboard_queries_name_only_metrics_the_servers_export(tmp_path):
     exported.add("kvstore_rpc_errors_total")
     missing = sorted(_dashboard_metrics() - exported)
     assert not missing, f"dashboard queries metrics nobody exports: {missing}"
+
+
+def test_the_secured_cluster_files_load(tmp_path):
+    """deploy/security: the configurations load once their certificate paths exist, the auth
+    example parses, and the identities the configs rely on are in it."""
+    from kvstore.certs import make
+    from kvstore.meta.auth import Authority
+
+    make(tmp_path / "tls", ("meta", "daemon", "ops", "tenant-a"))
+    sec = REPO / "deploy" / "security"
+    auth = tmp_path / "auth.yaml"
+    auth.write_text((sec / "auth.example.yaml").read_text())
+    for name in ("meta", "daemon", "client"):
+        text = (sec / f"{name}.yaml").read_text().replace("/etc/kvstore/tls", str(tmp_path / "tls"))
+        text = text.replace("/etc/kvstore/auth.yaml", str(auth))
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(text)
+        cfg = load_config(p, env={})
+        assert cfg.tls.enabled and not cfg.tls.allow_plaintext, name
+    a = Authority(str(auth), str(tmp_path / "secret"))
+    assert a.certs["daemon"].role == "daemon" and a.certs["ops"].role == "admin"
+    assert a.certs["tenant-a"].role == "tenant"

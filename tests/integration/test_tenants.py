@@ -11,7 +11,7 @@ import pytest
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
 from kvstore.config import ClientConfig
-from kvstore.errors import NotFound, PermissionDenied, Unauthenticated, from_rpc_error
+from kvstore.errors import NotFound, PermissionDenied, ResourceExhausted, Unauthenticated, from_rpc_error
 from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
 
 TOK = {n: f"{n}-token-0123456789abcdef" for n in ("a", "b", "node", "ops")}
@@ -138,3 +138,31 @@ def test_a_restarted_service_keeps_tenants_apart(tenants):
         n, out = get(a)
         assert n == len(KEYS) and all(np.array_equal(x, y) for x, y in zip(out, DA))
         assert get(b)[0] == 0
+
+
+def test_quotas_bound_what_a_tenant_holds(cluster, tmp_path):
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(
+        "identities:\n"
+        f"  tenant-a: {{role: tenant, tokens: [{TOK['a']}]}}\n"
+        f"  tenant-b: {{role: tenant, tokens: [{TOK['b']}]}}\n"
+        f"  node: {{role: daemon, tokens: [{TOK['node']}]}}\n"
+    )
+    # Each tenant may hold 3 blocks' bytes leased and 2 pinned (blocks are 5000 bytes).
+    cluster.start_meta(f"meta.auth_file={auth}", "meta.tenant_max_leased_bytes=15000",
+                       "meta.tenant_max_pinned_bytes=10000")  # fmt: skip
+    cluster.start_daemon(f"daemon.token={TOK['node']}", name="node")
+    with client(cluster, "a") as a, client(cluster, "b") as b:
+        assert a.put(KEYS, DA).stored == 4 and b.put(KEYS, DB).stored == 4
+    keys = b"".join(KEYS)
+    l1 = raw(cluster, "a", "Acquire", meta_pb2.AcquireRequest(keys=keys[:32]))  # 2 blocks
+    with pytest.raises(ResourceExhausted, match="holds 10000 bytes in read leases"):
+        raw(cluster, "a", "Acquire", meta_pb2.AcquireRequest(keys=keys[:32]))
+    assert raw(cluster, "b", "Acquire", meta_pb2.AcquireRequest(keys=keys[:48])).hit_count == 3  # B's own quota
+    raw(cluster, "a", "Release", meta_pb2.ReleaseRequest(lease_id=l1.lease_id))
+    assert raw(cluster, "a", "Acquire", meta_pb2.AcquireRequest(keys=keys[:48])).hit_count == 3
+    assert raw(cluster, "a", "Pin", meta_pb2.KeysRequest(keys=keys[:32])).count == 2
+    with pytest.raises(ResourceExhausted, match="pins 10000 bytes"):
+        raw(cluster, "a", "Pin", meta_pb2.KeysRequest(keys=keys[32:48]))
+    assert raw(cluster, "a", "Unpin", meta_pb2.KeysRequest(keys=keys[:16])).count == 1
+    assert raw(cluster, "a", "Pin", meta_pb2.KeysRequest(keys=keys[32:48])).count == 1
