@@ -56,20 +56,11 @@ def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0, keys: b
     segs = {id(r.segment): r.segment for r in replicas}
     signed = b""
     if op and any(s.daemon.spec.ticket_key for s in segs.values()):
-        signed = b"".join(
-            [
-                tickets.issue(
-                    r.segment.daemon.spec.ticket_key,
-                    op,
-                    r.segment.spec.segment_id,
-                    r.offset,
-                    r.length,
-                    r.gen,
-                    r.entry.key,
-                    ttl_s,
-                )  # fmt: skip
-                for r in replicas
-            ]
+        signed = tickets.issue_many(
+            [r.segment.daemon.spec.ticket_key for r in replicas],
+            op,
+            [(r.segment.spec.segment_id, r.offset, r.length, r.gen, r.entry.key) for r in replicas],
+            ttl_s,
         )
     return pb.Locations(
         keys=b"".join([r.entry.key for r in replicas]) if keys else b"",

@@ -169,3 +169,18 @@ def test_ticket_check_unit(op):
     assert "does not match" in tickets.check(tickets.new_key(), op, 1, 4096, 100, 7, expiry, b"k" * 16, tag)
     assert "expired" in tickets.check(key, op, 1, 4096, 100, 7, int(time.time()) - 3600, b"k" * 16, tag)
     assert "expired" in tickets.check(key, op, 1, 4096, 100, 7, expiry, b"k" * 16, tag, skew_s=-20)
+
+
+def test_tickets_issued_in_a_batch_equal_one_by_one():
+    k1, k2 = tickets.new_key(), tickets.new_key()
+    rows = [(1, 4096 * i, 100 + i, 7 + i, bytes([i]) * 16) for i in range(5)]
+    keys = [k1, k2, b"", k1, k2]
+    batch = tickets.issue_many(keys, tickets.READ, rows, 10)
+    size = tickets.TICKET.size
+    for i, (key, (seg, off, ln, gen, blk)) in enumerate(zip(keys, rows)):
+        t = batch[i * size : (i + 1) * size]
+        if not key:
+            assert t == tickets.NO_TICKET
+            continue
+        tag, expiry = tickets.TICKET.unpack(t)
+        assert tickets.check(key, tickets.READ, seg, off, ln, gen, expiry, blk, tag) == ""
