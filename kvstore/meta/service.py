@@ -1,383 +1,39 @@
-"""The metadata service: a thin grpc.aio adapter over :class:`kvstore.meta.index.Index`.
+"""The metadata service as a running server: a thin grpc.aio adapter over
+:class:`kvstore.meta.index.Index`, its handlers in :mod:`kvstore.meta.servicer`.
 
-Each handler decodes the packed columns, calls the index, carries its decisions to the daemons
-(:class:`~kvstore.meta.daemons.DaemonLink`: commits before a put is visible, tombstones before
-a removal or an eviction is acknowledged) and encodes the answer. Statuses are chosen by cause
-in one place for every server (:mod:`kvstore.rpc`). A background task expires daemons, put
-reservations and leases; another plans tier moves, which each daemon carries out on its own
-(a slow daemon holds up only its own moves). Both loops survive any one failure, log it, and
-turn health NOT_SERVING while they keep failing. The service exports Prometheus metrics
-(:mod:`kvstore.metrics`) and gRPC server reflection.
+A background task expires daemons, put reservations and leases; another plans tier moves, which
+each daemon carries out on its own (a slow daemon holds up only its own moves). Both loops
+survive any one failure, log it, and turn health NOT_SERVING while they keep failing. The
+service exports Prometheus metrics (:mod:`kvstore.metrics`) and gRPC server reflection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from kvstore import tickets
 from kvstore.config import MetaConfig
-from kvstore.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
-from kvstore.keys import KEY_BYTES, unpack_keys
-from kvstore.meta.auth import OPEN, Authority, Identity, Quotas, require
-from kvstore.meta.daemons import DaemonLink, invalidations_pb
+from kvstore.meta.auth import Authority, Quotas
+from kvstore.meta.daemons import DaemonLink
 from kvstore.meta.index import (
-    SEGMENT_ALIGN,
     Clock,
-    DaemonSpec,
     Index,
     IndexLimits,
-    InventoryItem,
-    SegmentSpec,
-    Tier,
 )
+from kvstore.meta.servicer import ADOPT_CHUNK, MetaServicer  # noqa: F401 - re-exported
 from kvstore.metrics import MetaCollector, MetricsHttp
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
 from kvstore.tls import TlsConfig, add_port
 from kvstore.v1 import common_pb2, meta_pb2
-from kvstore.wire import U8, U32, U64, daemon_to_pb, locations_to_pb, pack, unpack
 
 log = logging.getLogger("kvstore.meta")
 
-_TIERS = {int(t) for t in Tier}
 
-
-def _flags(data: bytes, what: str, count: int | None = None) -> list[bool]:
-    vals = unpack(data, U8, what, count)
-    bad = next((v for v in vals if v > 1), None)
-    if bad is not None:
-        raise InvalidArgument(f"{what}: flags must be 0 or 1, got {bad}")
-    return [bool(v) for v in vals]
-
-
-# Inventory items adopted per step of a registration (about 0.1 s of the service's loop).
-ADOPT_CHUNK = 20_000
-
-
-def _inventory(request: meta_pb2.RegisterDaemonRequest) -> dict[int, list[InventoryItem]]:
-    """A registration's inventory, decoded and checked, oldest generation first per segment."""
-    inventory: dict[int, list[InventoryItem]] = {}
-    for inv in request.inventory:
-        keys = unpack_keys(inv.keys)  # raises InvalidArgument on a partial key
-        n = len(keys)
-        offs = unpack(inv.offset, U64, "inventory offset", n)
-        lens = unpack(inv.length, U64, "inventory length", n)
-        sums = unpack(inv.checksum, U64, "inventory checksum", n)
-        gens = unpack(inv.gen, U64, "inventory gen", n)
-        sizes = unpack(inv.size, U64, "inventory size", n) if inv.size else [0] * n
-        items = sorted(zip(gens, keys, offs, lens, sums, sizes))
-        inventory.setdefault(inv.segment_id, []).extend(
-            InventoryItem(k, o, ln, c, sz, g) for g, k, o, ln, c, sz in items
-        )
-    return inventory
-
-
-class MetaServicer:
-    def __init__(
-        self,
-        index: Index,
-        link: DaemonLink,
-        allow_clock_skew: bool = False,
-        tickets: bool = True,
-        authority: Authority | None = None,
-        quotas: Quotas | None = None,
-    ) -> None:
-        self.index = index
-        self.quotas = quotas or Quotas()
-        self.link = link
-        self.allow_clock_skew = allow_clock_skew
-        self.tickets = tickets
-        self.authority = authority
-        # Who started each put and took each lease (with tenants): only they may end it.
-        self._put_owner: dict[int, str] = {}
-        self._lease_owner: dict[int, str] = {}
-
-    # ---- identity ---------------------------------------------------------------------------
-
-    def _who(self, context, *roles: str) -> Identity:  # noqa: ANN001
-        if self.authority is None:
-            return OPEN
-        ident = self.authority.identify(context)
-        require(ident, *roles)
-        return ident
-
-    def _keys(self, packed: bytes, ident: Identity, tenant: str = "") -> bytes:
-        """The caller's keys as the index stores them (its own tenant's, or for an admin the
-        named tenant's)."""
-        if self.authority is None:
-            return packed
-        if tenant and tenant != ident.name and ident.role != "admin":
-            raise PermissionDenied(f"tenant {ident.name!r} may act only on its own blocks, not {tenant!r}'s")
-        return self.authority.keys(packed, tenant or ident.name)
-
-    def _own(self, owners: dict[int, str], table: dict, ident: Identity, item_id: int, what: str) -> None:
-        """A put or lease of another tenant is as unknown as one that never was."""
-        if self.authority is None:
-            return
-        if len(owners) > 2 * len(table) + 1024:  # forget the ones that ended meanwhile
-            for k in [k for k in owners if k not in table]:
-                del owners[k]
-        if owners.get(item_id) != ident.name and ident.role != "admin":
-            raise NotFound(f"{what} {item_id} is unknown (already ended, or not yours)")
-
-    async def RegisterDaemon(self, request, context):
-        info = request.daemon
-        ident = self._who(context, "daemon")
-        if self.authority is not None and info.daemon_id != ident.name:
-            raise PermissionDenied(f"daemon {ident.name!r} may register only under its own id, not {info.daemon_id!r}")
-        if request.ticket_key and len(request.ticket_key) != tickets.KEY_BYTES:
-            raise InvalidArgument(f"ticket_key must be {tickets.KEY_BYTES} bytes, got {len(request.ticket_key)}")
-        key = request.ticket_key if self.tickets else b""
-        for s in info.segments:
-            if s.tier not in _TIERS and s.tier != 0:
-                raise InvalidArgument(f"segment {s.segment_id}: unknown tier {s.tier} (DRAM=1, SSD=2)")
-        # An inventory is bounded by what its segment can hold before anything is decoded: every
-        # block takes at least one alignment unit of the segment.
-        room = {s.segment_id: s.capacity_bytes // SEGMENT_ALIGN[Tier(s.tier or Tier.DRAM)] for s in info.segments}
-        for inv in request.inventory:
-            n = len(inv.keys) // KEY_BYTES
-            if n > room.get(inv.segment_id, 0):
-                raise InvalidArgument(
-                    f"inventory of segment {inv.segment_id}: {n} blocks cannot fit it "
-                    f"(at most {room.get(inv.segment_id, 0)}, or the segment is not declared)"
-                )
-        spec = DaemonSpec(
-            info.daemon_id,
-            info.host_id,
-            info.data_addr,
-            info.control_addr,
-            tuple(
-                SegmentSpec(s.segment_id, Tier(s.tier or Tier.DRAM), s.capacity_bytes, s.shm_path)
-                for s in info.segments
-            ),
-            key,
-        )
-        # A big inventory (hundreds of thousands of blocks) is decoded on a thread and adopted
-        # in steps, so that heartbeats and requests are served meanwhile.
-        big = sum(len(inv.keys) for inv in request.inventory) // KEY_BYTES > ADOPT_CHUNK
-        inventory = await asyncio.to_thread(_inventory, request) if big else _inventory(request)
-        self.link.requeue(spec.daemon_id)  # tombstones it may not have applied filter its inventory
-        steps = self.index.register_daemon_steps(spec, inventory, chunk=ADOPT_CHUNK)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                rejected = done.value
-                break
-            await asyncio.sleep(0)
-        adopted = sum(len(v) for v in inventory.values()) - rejected
-        log.info("event=daemon_registered daemon=%s blocks=%d rejected=%d", spec.daemon_id, adopted, rejected)
-        lim = self.index.limits
-        return meta_pb2.RegisterDaemonResponse(
-            heartbeat_interval_ms=int(lim.heartbeat_interval_s * 1000),
-            lease_ttl_ms=int(lim.daemon_ttl_s * 1000),
-            rejected=rejected,
-            tickets=bool(key),
-        )
-
-    async def DrainDaemon(self, request, context):
-        ident = self._who(context, "daemon", "admin")
-        if ident.role == "daemon" and self.authority is not None and request.daemon_id != ident.name:
-            raise PermissionDenied(f"daemon {ident.name!r} may drain only itself")
-        if not request.daemon_id:
-            raise InvalidArgument("daemon_id is empty")
-        dropped, held, wait = self.index.drain_daemon(request.daemon_id)
-        if dropped:
-            self.link.forget(request.daemon_id)
-            log.info("event=daemon_drained daemon=%s blocks=%d leases=%d", request.daemon_id, dropped, held)
-        return meta_pb2.DrainDaemonResponse(
-            dropped=dropped, leases=held, lease_wait_ms=min(math.ceil(wait * 1000), 2**32 - 1)
-        )
-
-    def Heartbeat(self, request, context):
-        ident = self._who(context, "daemon")
-        if self.authority is not None and request.daemon_id != ident.name:
-            raise PermissionDenied(f"daemon {ident.name!r} may heartbeat only for itself")
-        known = self.index.heartbeat(request.daemon_id)
-        if not known:
-            return meta_pb2.HeartbeatResponse(known=False)
-        batch, items = self.link.heartbeat_batch(request.daemon_id, request.acked_batch)
-        return meta_pb2.HeartbeatResponse(known=True, invalidations=invalidations_pb(items), batch=batch)
-
-    async def PutStart(self, request, context):
-        n = len(request.keys) // KEY_BYTES
-        sizes = unpack(request.sizes, U64, "sizes", n if len(request.keys) % KEY_BYTES == 0 else None)
-        ident = self._who(context, "tenant", "admin")
-        mark = self.link.mark()
-        res = self.index.put_start(
-            self._keys(request.keys, ident),
-            sizes,
-            host_id=request.host_id,
-            timeout_s=request.timeout_ms / 1000.0,
-            exclude=request.exclude_daemons,
-        )
-        # Space freed by eviction is handed out only once its old blocks are gone on their
-        # daemons: a restarted service must not find an evicted block again.
-        await self.link.flush(mark)
-        if res.placements and self.authority is not None:
-            self._put_owner[res.put_id] = ident.name
-        return meta_pb2.PutStartResponse(
-            put_id=res.put_id,
-            status=pack(res.status, U8),
-            placements=locations_to_pb(res.placements, tickets.WRITE, res.deadline, keys=self.authority is not None),
-            deadline_unix_ms=int((time.time() + res.deadline) * 1000),
-        )
-
-    async def PutCommit(self, request, context):
-        self._own(self._put_owner, self.index.puts, self._who(context, "tenant", "admin"), request.put_id, "put")
-        sums = unpack(request.checksums, U64, "checksums")
-        written = _flags(request.written, "written") if request.written else None
-        pc = self.index.put_commit_begin(request.put_id, sums, written)  # drops only unwritten blocks
-        outcome = await self.link.commit(pc)
-        mark = self.link.mark()
-        committed, status = self.index.put_commit_end(pc, outcome)
-        await self.link.flush(mark)
-        return meta_pb2.PutCommitResponse(committed=committed, status=pack(status, U8))
-
-    async def PutAbort(self, request, context):
-        self._own(self._put_owner, self.index.puts, self._who(context, "tenant", "admin"), request.put_id, "put")
-        mark = self.link.mark()
-        released = self.index.put_abort(request.put_id)
-        await self.link.flush(mark)
-        return meta_pb2.PutAbortResponse(released=released)
-
-    def Lookup(self, request, context):
-        ident = self._who(context, "tenant", "admin")
-        hit, exists, locs = self.index.lookup(
-            self._keys(request.keys, ident), per_key=request.per_key, with_locations=request.with_locations
-        )
-        return meta_pb2.LookupResponse(
-            hit_count=hit,
-            exists=pack(exists, U8) if request.per_key else b"",
-            locations=locations_to_pb(locs, keys=self.authority is not None) if request.with_locations else None,
-        )
-
-    def Acquire(self, request, context):
-        ident = self._who(context, "tenant", "admin")
-        res = self.index.acquire(self._keys(request.keys, ident), ttl_s=request.ttl_ms / 1000.0)
-        if res.lease_id and self.quotas.max_leased:
-            nbytes = sum(r.length for r in res.locations)
-            fits, held = self.quotas.lease_fits(ident.name, nbytes, self.index.leases)
-            if not fits:
-                self.index.release(res.lease_id)
-                raise ResourceExhausted(
-                    f"tenant {ident.name!r} holds {held} bytes in read leases; {nbytes} more would pass its quota of "
-                    f"{self.quotas.max_leased} (meta.tenant_max_leased_bytes): release leases first"
-                )
-            self.quotas.leases[res.lease_id] = (ident.name, nbytes)
-        if res.lease_id and self.authority is not None:
-            self._lease_owner[res.lease_id] = ident.name
-        return meta_pb2.AcquireResponse(
-            hit_count=res.hit_count,
-            lease_id=res.lease_id,
-            locations=locations_to_pb(res.locations, tickets.READ, res.ttl, keys=self.authority is not None),
-            ttl_ms=int(res.ttl * 1000),
-        )
-
-    async def Release(self, request, context):
-        ident = self._who(context, "tenant", "admin")
-        self._own(self._lease_owner, self.index.leases, ident, request.lease_id, "lease")
-        mark = self.link.mark()
-        self.index.release(request.lease_id, unpack(request.corrupt, U32, "corrupt"))
-        self.quotas.leases.pop(request.lease_id, None)
-        await self.link.flush(mark)
-        return meta_pb2.ReleaseResponse(released=True)
-
-    async def Remove(self, request, context):
-        mark = self.link.mark()
-        ident = self._who(context, "tenant", "admin")
-        n = self.index.remove(self._keys(request.keys, ident, request.tenant))
-        failed = await self.link.flush(mark)
-        if failed:
-            raise Unavailable(
-                f"{n} blocks left the index, but daemon(s) {', '.join(sorted(failed))} did not confirm dropping "
-                "them; they are told again with every heartbeat (until then a restart of this service could "
-                "bring them back)"
-            )
-        return meta_pb2.CountResponse(count=n)
-
-    def Pin(self, request, context):
-        ident = self._who(context, "tenant", "admin")
-        keys = self._keys(request.keys, ident, request.tenant)
-        if not self.quotas.max_pinned:
-            return meta_pb2.CountResponse(count=self.index.pin(keys, True))
-        tenant = request.tenant or ident.name
-        new = {}
-        for k in unpack_keys(keys) if len(keys) % KEY_BYTES == 0 else []:
-            e = self.index.entries.get(k)
-            if e is not None and e.complete and not e.pinned and e.replica is not None:
-                new[k] = e.replica.length
-        fits, held = self.quotas.pins_fit(tenant, sum(new.values()), self.index.entries)
-        if not fits:
-            raise ResourceExhausted(
-                f"tenant {tenant!r} pins {held} bytes; {sum(new.values())} more would pass its quota of "
-                f"{self.quotas.max_pinned} (meta.tenant_max_pinned_bytes)"
-            )
-        n = self.index.pin(keys, True)
-        for k, nbytes in new.items():
-            self.quotas.pins[k] = (tenant, nbytes)
-        return meta_pb2.CountResponse(count=n)
-
-    def Unpin(self, request, context):
-        keys = self._keys(request.keys, self._who(context, "tenant", "admin"), request.tenant)
-        n = self.index.pin(keys, False)
-        if self.quotas.pins and len(keys) % KEY_BYTES == 0:
-            for k in unpack_keys(keys):
-                self.quotas.pins.pop(k, None)
-        return meta_pb2.CountResponse(count=n)
-
-    def Stats(self, request, context):
-        self._who(context, "admin")
-        idx = self.index
-        now = idx.clock.now()
-        resp = meta_pb2.StatsResponse(
-            keys=len(idx.entries),
-            pending_puts=len(idx.puts),
-            active_leases=len(idx.leases),
-        )
-        for d in idx.daemons.values():
-            resp.daemons.append(
-                meta_pb2.DaemonStats(
-                    info=daemon_to_pb(d.spec), alive=d.deadline >= now, last_heartbeat_age_s=now - d.last_heartbeat
-                )
-            )
-            for seg in d.segments.values():
-                resp.segments.append(
-                    meta_pb2.SegmentStats(
-                        daemon_id=d.spec.daemon_id,
-                        segment_id=seg.spec.segment_id,
-                        tier=int(seg.spec.tier),
-                        capacity_bytes=seg.alloc.capacity,
-                        used_bytes=seg.alloc.used,
-                        blocks=seg.blocks,
-                        pinned_blocks=seg.pinned,
-                        leased_blocks=seg.leased,
-                    )
-                )
-        for k, v in idx.counters.items():
-            resp.counters[k] = v
-        return resp
-
-    async def AdvanceClock(self, request, context):
-        self._who(context, "admin")
-        if not self.allow_clock_skew:
-            raise PermissionDenied("AdvanceClock is off: start the service with meta.allow_clock_skew=true")
-        if not math.isfinite(request.seconds) or request.seconds < 0:
-            raise InvalidArgument(f"seconds must be a finite, non-negative number, got {request.seconds}")
-        now = self.index.clock.advance(request.seconds)
-        self.index.expire()
-        await self.link.flush()
-        return meta_pb2.AdvanceClockResponse(now=now)
-
-
-# Consecutive failures of a background loop after which the service reports NOT_SERVING.
 LOOP_FAILURES_UNHEALTHY = 3
 
 
