@@ -174,9 +174,10 @@ class Router:
         self.tokenizer = ByteTokenizer(self.info["vocab_size"])
         if self.store_addr:
             from kvstore.client import KVStoreClient
-            from kvstore.config import ClientConfig
+            from kvstore.config import client_settings
 
-            self.store = KVStoreClient(self.store_addr, ClientConfig(rpc_timeout_s=2, retries=0))
+            cc, tls = client_settings(rpc_timeout_s=2, retries=0)  # token, certificates: environment
+            self.store = KVStoreClient(self.store_addr, cc, tls=tls)
         self._poller = asyncio.create_task(self._poll())
 
     async def close(self) -> None:

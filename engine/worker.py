@@ -312,9 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.store:
         from engine.connector import StoreConnector
         from kvstore.client import SyncKVStoreClient
-        from kvstore.config import ClientConfig
+        from kvstore.config import client_settings
 
-        client = SyncKVStoreClient(ns.store, ClientConfig(rpc_timeout_s=5, io_timeout_s=5, retries=0))
+        # Token and certificates from the environment (KVSTORE_CLIENT__TOKEN, KVSTORE_TLS__*).
+        cc, tls = client_settings(rpc_timeout_s=5, io_timeout_s=5, retries=0)
+        client = SyncKVStoreClient(ns.store, cc, tls=tls)
         connector = StoreConnector(client, engine.kv_cache, policy=ns.load_policy)
     worker = Worker(ns.role, engine, connector)
 

@@ -249,6 +249,17 @@ def load_config(
     return cfg
 
 
+def client_settings(**overrides: Any) -> tuple[ClientConfig, TlsConfig]:
+    """The client and TLS settings of this process's environment (``KVSTORE_CONFIG`` and
+    ``KVSTORE_CLIENT__*`` / ``KVSTORE_TLS__*`` variables: a token, certificates), with
+    ``overrides`` of client fields on top: how processes that take only a store address (the
+    engine's workers and router) still talk to a secured cluster."""
+    cfg = load_config()
+    for k, v in overrides.items():
+        setattr(cfg.client, k, v)
+    return cfg.client, cfg.tls
+
+
 def validate(cfg: Config) -> None:
     """Checks ranges and relations between keys. Raises InvalidArgument naming the key."""
     validate_tls(cfg.tls)

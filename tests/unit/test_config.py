@@ -463,3 +463,17 @@ def test_parse_size(text, value):
 def test_parse_size_refuses(text):
     with pytest.raises(InvalidArgument, match="dram_bytes"):
         parse_size(text, "dram_bytes")
+
+
+def test_client_settings_come_from_the_environment(monkeypatch, tmp_path):
+    from kvstore.certs import make
+    from kvstore.config import client_settings
+
+    make(tmp_path, ("client",))
+    monkeypatch.setenv("KVSTORE_CLIENT__TOKEN", "tenant-a-token-0123456789")
+    monkeypatch.setenv("KVSTORE_TLS__CA", str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("KVSTORE_TLS__CERT", str(tmp_path / "client.pem"))
+    monkeypatch.setenv("KVSTORE_TLS__KEY", str(tmp_path / "client.key"))
+    cc, tls = client_settings(rpc_timeout_s=2, retries=0)
+    assert cc.token == "tenant-a-token-0123456789" and cc.rpc_timeout_s == 2 and cc.retries == 0
+    assert tls.enabled and tls.cert.endswith("client.pem")
