@@ -116,13 +116,21 @@ def test_sigkill_during_write_burst_then_restart_serves_committed_blocks(cluster
         with SyncKVStoreClient(cluster.meta_addr) as c:
             wait_until(lambda: log.exists() and len(log.read_text().split()) >= 600, timeout=60)
             wait_until(lambda: c.stats().counters["demoted"] > 0)
+            old = {x.info.data_addr for x in c.stats().daemons}
             d.kill()  # mid-burst: the writer keeps going and gets errors
             committed = [bytes.fromhex(h) for h in log.read_text().split()]
             w.kill()
             w.wait()
             cluster.procs.remove(d)
             cluster.start_daemon(*TIERED, dram="8MiB", name=name)
-            wait_until(lambda: c.stats().keys >= 0.999 * len(committed), timeout=30)
+
+            # Served by the restarted daemon: its registration replaced the dead one's (whose
+            # entries would count as keys until then, at an address nobody answers).
+            def restarted() -> bool:
+                st = c.stats()
+                return st.keys >= 0.999 * len(committed) and all(x.info.data_addr not in old for x in st.daemons)
+
+            wait_until(restarted, timeout=30)
             served = 0
             for i in range(0, len(committed), 4):
                 keys = committed[i : i + 4]
