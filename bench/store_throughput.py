@@ -153,13 +153,19 @@ def timed(fn) -> float:  # noqa: ANN001
     return time.perf_counter() - t
 
 
-def measure_size(meta: str, name: str, size: int, total: int, reps: int, bar: tqdm) -> dict:
+def blocks(label: str, size: int, total: int, seed: int) -> tuple[int, int, KeySpace, list, list]:
+    """A batch of ``total`` bytes in blocks of ``size``: (count, bytes, key space, seeded random
+    sources, destination buffers touched once and reused)."""
     n = max(1, total // size)
-    nbytes = n * size
-    ks = KeySpace(ModelFingerprint(f"bench-{name}", "bf16", 32, 8, 128))
-    rng = np.random.default_rng(size)
+    ks = KeySpace(ModelFingerprint(label, "bf16", 32, 8, 128))
+    rng = np.random.default_rng(seed)
     srcs = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
-    dests = [np.ones(size, np.uint8) for _ in range(n)]  # touched once, reused
+    dests = [np.ones(size, np.uint8) for _ in range(n)]
+    return n, n * size, ks, srcs, dests
+
+
+def measure_size(meta: str, name: str, size: int, total: int, reps: int, bar: tqdm) -> dict:
+    n, nbytes, ks, srcs, dests = blocks(f"bench-{name}", size, total, size)
     # memcpy baseline source: the same blocks in a shared-memory mapping, like the arena.
     shm_src = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
     shm_arr = np.frombuffer(shm_src, np.uint8)
@@ -220,12 +226,7 @@ def measure_tls(
     """TCP-path get and put, plaintext store against a mutual-TLS one (same build, same sizes),
     interleaved repetitions: what TLS costs on the data port (and on the gRPC calls); and the
     same ratio for a raw socket (one connection, one thread): what TLS costs Python itself."""
-    n = max(1, total // size)
-    nbytes = n * size
-    ks = KeySpace(ModelFingerprint(f"bench-tls-{name}", "bf16", 32, 8, 128))
-    rng = np.random.default_rng(size + 1)
-    srcs = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
-    dests = [np.ones(size, np.uint8) for _ in range(n)]
+    n, nbytes, ks, srcs, dests = blocks(f"bench-tls-{name}", size, total, size + 1)
     samples: dict[str, list[float]] = {
         k: [] for k in ("plain_get", "plain_put", "tls_get", "tls_put", "raw_plain_get", "raw_tls_get")
     }
@@ -263,12 +264,7 @@ def measure_tickets(signed: str, unsigned: str, name: str, size: int, total: int
     """get_into on a store whose service signs data-port tickets (the default) against one with
     ``meta.data_tickets=false``, shared memory and TCP, interleaved: what the tickets cost (a
     MAC per block in Acquire, and on TCP its check by the daemon)."""
-    n = max(1, total // size)
-    nbytes = n * size
-    ks = KeySpace(ModelFingerprint(f"bench-tickets-{name}", "bf16", 32, 8, 128))
-    rng = np.random.default_rng(size + 2)
-    srcs = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
-    dests = [np.ones(size, np.uint8) for _ in range(n)]
+    n, nbytes, ks, srcs, dests = blocks(f"bench-tickets-{name}", size, total, size + 2)
     keys = ks.block_keys(np.arange(n * 16))
     samples: dict[str, list[float]] = {k: [] for k in ("shm_on", "shm_off", "tcp_on", "tcp_off")}
     clients = {}

@@ -14,7 +14,6 @@ Without TLS configured, servers listen in plaintext only on loopback addresses, 
 from __future__ import annotations
 
 import ipaddress
-import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +66,8 @@ def _read(tls: TlsConfig) -> tuple[bytes, bytes, bytes]:
 
 def is_loopback(host: str) -> bool:
     host = host.strip("[]")
-    if host in ("localhost", ""):
-        return host == "localhost"
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -133,29 +132,22 @@ def aio_channel(
 # ---- data port -------------------------------------------------------------------------------
 
 
-def server_context(tls: TlsConfig) -> ssl.SSLContext:
-    """The data port's side: TLS 1.3 (or 1.2), client certificate required."""
-    _read(tls)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+def _context(tls: TlsConfig, protocol: int) -> ssl.SSLContext:
+    """TLS 1.3 (or 1.2) with this process's certificate, the peer's required and checked
+    against the CA (a client also checks the server's name, PROTOCOL_TLS_CLIENT's default)."""
+    validate(tls)
+    ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(tls.cert, tls.key)
     ctx.load_verify_locations(tls.ca)
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
+
+
+def server_context(tls: TlsConfig) -> ssl.SSLContext:
+    """The data port's side: a client certificate is required."""
+    return _context(tls, ssl.PROTOCOL_TLS_SERVER)
 
 
 def client_context(tls: TlsConfig) -> ssl.SSLContext:
-    _read(tls)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(tls.cert, tls.key)
-    ctx.load_verify_locations(tls.ca)
-    ctx.check_hostname = True
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
-def wrap_client(sock: socket.socket, ctx: ssl.SSLContext | None, server_name: str) -> socket.socket:
-    if ctx is None:
-        return sock
-    return ctx.wrap_socket(sock, server_hostname=server_name)
+    return _context(tls, ssl.PROTOCOL_TLS_CLIENT)

@@ -30,7 +30,6 @@ from kvstore.extent import checksum
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.rpc import GRPC_OPTIONS
 from kvstore.tls import TlsConfig, aio_channel, client_context
-from kvstore.tls import validate as tls_validate
 from kvstore.transport.shm import ShmTransport
 from kvstore.transport.tcp import TcpTransport
 from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
@@ -60,7 +59,6 @@ class KVStoreClient:
         self, meta: str | None = None, config: ClientConfig | None = None, tls: TlsConfig | None = None
     ) -> None:
         self.cfg = config or ClientConfig()
-        tls_validate(tls or TlsConfig())
         if meta:
             self.cfg.meta = meta
         if self.cfg.transport not in ("auto", "shm", "tcp"):

@@ -293,8 +293,9 @@ class DataPort:
         status = bytearray(len(entries))
         total = 0
         for i, ((key, _s, _e, off, length, csum, gen, _t), seg) in enumerate(zip(entries, arenas)):
-            if self._sealed(seg, off, gen):
-                # That generation is already committed there: a replayed write must not touch it.
+            if self.require_tickets and self._sealed(seg, off, gen):
+                # That generation is already committed there: a replayed write ticket must not
+                # touch it (without tickets any peer may write anyway, so nothing is checked).
                 if not recv_exact(conn, memoryview(self._staging(length))):
                     raise ConnectionError("peer closed mid-write")
                 status[i] = EntryStatus.MISMATCH

@@ -136,28 +136,50 @@ def _secret(path: str) -> bytes:
     return data
 
 
+class _Held:
+    """Bytes each tenant holds in items (leases or pins) up to a bound, as running totals; items
+    that ended elsewhere (expiry, removal) are let go only when a tenant would pass its bound,
+    so the common case costs a dictionary update."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.items: dict = {}  # item -> (tenant, bytes)
+        self.totals: dict[str, int] = {}
+
+    def fits(self, tenant: str, nbytes: int, alive) -> tuple[bool, int]:  # noqa: ANN001 - item -> bool
+        """Whether ``nbytes`` more fit ``tenant``'s bound; ``alive`` tells which of its items
+        still hold bytes. Returns (fits, bytes held)."""
+        held = self.totals.get(tenant, 0)
+        if held + nbytes > self.limit:
+            for item in [i for i, (t, _b) in self.items.items() if t == tenant and not alive(i)]:
+                self.drop(item)
+            held = self.totals.get(tenant, 0)
+        return held + nbytes <= self.limit, held
+
+    def add(self, item, tenant: str, nbytes: int) -> None:  # noqa: ANN001
+        self.drop(item)
+        self.items[item] = (tenant, nbytes)
+        self.totals[tenant] = self.totals.get(tenant, 0) + nbytes
+
+    def drop(self, item) -> None:  # noqa: ANN001
+        got = self.items.pop(item, None)
+        if got is not None:
+            self.totals[got[0]] -= got[1]
+
+
 class Quotas:
     """Per-tenant bytes held in read leases and in pins, bounded by
     ``meta.tenant_max_leased_bytes`` and ``meta.tenant_max_pinned_bytes`` (0: no bound), so that
-    one tenant cannot hold the pool's space against eviction. Leases and pins that ended
-    elsewhere (expiry, removal) are forgotten when the tenant's total is next checked."""
+    one tenant cannot hold the pool's space against eviction."""
 
     def __init__(self, max_leased: int = 0, max_pinned: int = 0) -> None:
-        self.max_leased = max_leased
-        self.max_pinned = max_pinned
-        self.leases: dict[int, tuple[str, int]] = {}  # lease id -> (tenant, bytes)
-        self.pins: dict[bytes, tuple[str, int]] = {}  # stored key -> (tenant, bytes)
+        self.leases = _Held(max_leased)  # lease id -> (tenant, bytes)
+        self.pins = _Held(max_pinned)  # stored key -> (tenant, bytes)
 
-    def lease_fits(self, tenant: str, nbytes: int, live: dict) -> tuple[bool, int]:
-        for lid in [lid for lid, (t, _b) in self.leases.items() if t == tenant and lid not in live]:
-            del self.leases[lid]
-        held = sum(b for t, b in self.leases.values() if t == tenant)
-        return held + nbytes <= self.max_leased, held
+    @property
+    def max_leased(self) -> int:
+        return self.leases.limit
 
-    def pins_fit(self, tenant: str, nbytes: int, entries: dict) -> tuple[bool, int]:
-        for k in [k for k, (t, _b) in self.pins.items() if t == tenant]:
-            e = entries.get(k)
-            if e is None or not e.pinned:
-                del self.pins[k]
-        held = sum(b for t, b in self.pins.values() if t == tenant)
-        return held + nbytes <= self.max_pinned, held
+    @property
+    def max_pinned(self) -> int:
+        return self.pins.limit

@@ -249,14 +249,14 @@ class MetaServicer:
         res = self.index.acquire(self._keys(request.keys, ident), ttl_s=request.ttl_ms / 1000.0)
         if res.lease_id and self.quotas.max_leased:
             nbytes = sum(r.length for r in res.locations)
-            fits, held = self.quotas.lease_fits(ident.name, nbytes, self.index.leases)
+            fits, held = self.quotas.leases.fits(ident.name, nbytes, self.index.leases.__contains__)
             if not fits:
                 self.index.release(res.lease_id)
                 raise ResourceExhausted(
                     f"tenant {ident.name!r} holds {held} bytes in read leases; {nbytes} more would pass its quota of "
                     f"{self.quotas.max_leased} (meta.tenant_max_leased_bytes): release leases first"
                 )
-            self.quotas.leases[res.lease_id] = (ident.name, nbytes)
+            self.quotas.leases.add(res.lease_id, ident.name, nbytes)
         if res.lease_id and self.authority is not None:
             self._lease_owner[res.lease_id] = ident.name
         return meta_pb2.AcquireResponse(
@@ -271,7 +271,7 @@ class MetaServicer:
         self._own(self._lease_owner, self.index.leases, ident, request.lease_id, "lease")
         mark = self.link.mark()
         self.index.release(request.lease_id, unpack(request.corrupt, U32, "corrupt"))
-        self.quotas.leases.pop(request.lease_id, None)
+        self.quotas.leases.drop(request.lease_id)
         await self.link.flush(mark)
         return meta_pb2.ReleaseResponse(released=True)
 
@@ -299,7 +299,7 @@ class MetaServicer:
             e = self.index.entries.get(k)
             if e is not None and e.complete and not e.pinned and e.replica is not None:
                 new[k] = e.replica.length
-        fits, held = self.quotas.pins_fit(tenant, sum(new.values()), self.index.entries)
+        fits, held = self.quotas.pins.fits(tenant, sum(new.values()), self._pinned)
         if not fits:
             raise ResourceExhausted(
                 f"tenant {tenant!r} pins {held} bytes; {sum(new.values())} more would pass its quota of "
@@ -307,15 +307,19 @@ class MetaServicer:
             )
         n = self.index.pin(keys, True)
         for k, nbytes in new.items():
-            self.quotas.pins[k] = (tenant, nbytes)
+            self.quotas.pins.add(k, tenant, nbytes)
         return meta_pb2.CountResponse(count=n)
+
+    def _pinned(self, key: bytes) -> bool:
+        e = self.index.entries.get(key)
+        return e is not None and e.pinned
 
     def Unpin(self, request, context):
         keys = self._keys(request.keys, self._who(context, "tenant", "admin"), request.tenant)
         n = self.index.pin(keys, False)
-        if self.quotas.pins and len(keys) % KEY_BYTES == 0:
+        if self.quotas.pins.items and len(keys) % KEY_BYTES == 0:
             for k in unpack_keys(keys):
-                self.quotas.pins.pop(k, None)
+                self.quotas.pins.drop(k)
         return meta_pb2.CountResponse(count=n)
 
     def Stats(self, request, context):

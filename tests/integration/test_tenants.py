@@ -21,16 +21,19 @@ DA = [np.full(5000, 11, np.uint8) for _ in KEYS]
 DB = [np.full(5000, 22, np.uint8) for _ in KEYS]
 
 
+ROLES = {"a": ("tenant-a", "tenant"), "b": ("tenant-b", "tenant"), "node": ("node", "daemon"), "ops": ("ops", "admin")}
+
+
+def auth_file(path, *who: str):  # noqa: ANN001, ANN201
+    """An auth file with the identities ``who`` (keys of TOK), each with its token."""
+    lines = [f"  {ROLES[w][0]}: {{role: {ROLES[w][1]}, tokens: [{TOK[w]}]}}" for w in who]
+    path.write_text("identities:\n" + "\n".join(lines) + "\n")
+    return path
+
+
 @pytest.fixture
 def tenants(cluster, tmp_path):  # noqa: ANN001
-    auth = tmp_path / "auth.yaml"
-    auth.write_text(
-        "identities:\n"
-        f"  tenant-a: {{role: tenant, tokens: [{TOK['a']}]}}\n"
-        f"  tenant-b: {{role: tenant, tokens: [{TOK['b']}]}}\n"
-        f"  node: {{role: daemon, tokens: [{TOK['node']}]}}\n"
-        f"  ops: {{role: admin, tokens: [{TOK['ops']}]}}\n"
-    )
+    auth = auth_file(tmp_path / "auth.yaml", "a", "b", "node", "ops")
     cluster.start_meta(f"meta.auth_file={auth}")
     cluster.start_daemon(f"daemon.token={TOK['node']}", name="node")
     cluster.auth = auth
@@ -141,13 +144,7 @@ def test_a_restarted_service_keeps_tenants_apart(tenants):
 
 
 def test_quotas_bound_what_a_tenant_holds(cluster, tmp_path):
-    auth = tmp_path / "auth.yaml"
-    auth.write_text(
-        "identities:\n"
-        f"  tenant-a: {{role: tenant, tokens: [{TOK['a']}]}}\n"
-        f"  tenant-b: {{role: tenant, tokens: [{TOK['b']}]}}\n"
-        f"  node: {{role: daemon, tokens: [{TOK['node']}]}}\n"
-    )
+    auth = auth_file(tmp_path / "auth.yaml", "a", "b", "node")
     # Each tenant may hold 3 blocks' bytes leased and 2 pinned (blocks are 5000 bytes).
     cluster.start_meta(f"meta.auth_file={auth}", "meta.tenant_max_leased_bytes=15000",
                        "meta.tenant_max_pinned_bytes=10000")  # fmt: skip
