@@ -127,6 +127,9 @@ class ClientConfig:
     io_threads: int = 2
     # Bearer token for the metadata service (a tenant's or an admin's, see kvstore.meta.auth).
     token: str = ""
+    # Block locations remembered for reads without the metadata service (kvstore.client.locations);
+    # 0 turns those reads off (every get takes a lease).
+    location_cache: int = 65536
 
 
 @dataclass
@@ -314,7 +317,7 @@ def validate(cfg: Config) -> None:
     one_of("daemon", "ssd_durability", ("fast", "durable"))
     one_of("daemon", "ssd_compress", ("auto", "off"))
     one_of("client", "transport", ("auto", "shm", "tcp"))
-    for key in ("put_timeout_s", "lease_ttl_s", "retries"):
+    for key in ("put_timeout_s", "lease_ttl_s", "retries", "location_cache"):
         positive("client", key, allow_zero=True)
     for key in ("rpc_timeout_s", "io_timeout_s", "io_threads"):
         positive("client", key)

@@ -155,6 +155,11 @@ _META_COUNTERS = {
         "kvstore_meta_not_admitted_keys_total",
         "Put keys the cache policy did not store (colder than what they would evict)",
     ),
+    "touches": ("kvstore_meta_touches_total", "Chains that clients read from locations they held (Touch)"),
+    "touched_keys": (
+        "kvstore_meta_touched_keys_total",
+        "Stored keys that clients read from locations they held, without a lease (Touch)",
+    ),
     "commit_failed_keys": ("kvstore_meta_commit_failed_keys_total", "Put keys whose daemon did not commit them"),
     "evictions": ("kvstore_meta_evictions_total", "Blocks evicted (their last copy dropped for space)"),
     "evicted_bytes": ("kvstore_meta_evicted_bytes_total", "Bytes of evicted blocks"),

@@ -9,6 +9,12 @@ otherwise). Misses are data (counts), never exceptions; errors are
         await c.put(keys, buffers)            # PutStart -> copy -> PutCommit
         n = await c.lookup(keys)              # leading hit count, no side effects
         n = await c.get_into(keys, buffers)   # Acquire (lease) -> copy + verify -> Release
+
+Reads of blocks whose location the client already knows (from an earlier get or its own put)
+skip the metadata service: they copy from that location and verify, and a block that moved on
+meanwhile is a miss there, read again through the leased path (:mod:`kvstore.client.locations`).
+The service learns of those reads in batches (``Touch``), off the caller's path, so that its
+cache policy still sees them.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import grpc
 import numpy as np
 
 from kvstore.client.buffers import byte_view
+from kvstore.client.locations import LocationCache
 from kvstore.config import ClientConfig, default_host_id
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, from_rpc_error
 from kvstore.extent import checksum
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.rpc import GRPC_OPTIONS
 from kvstore.tls import TlsConfig, aio_channel, client_context
+from kvstore.transport.frames import DIRECT
 from kvstore.transport.shm import ShmTransport
 from kvstore.transport.tcp import TcpTransport
 from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
@@ -44,6 +52,9 @@ _INLINE_COPY_BYTES = 8 << 20
 
 # How often a client forgets mappings and connections of daemons that left.
 PRUNE_S = 30.0
+# Keys per Touch call, and the most that wait for one (see KVStoreClient._touch).
+_TOUCH_BATCH_KEYS = 4096
+_MAX_TOUCH_KEYS = 1 << 16
 
 
 class PutResult(NamedTuple):
@@ -82,6 +93,13 @@ class KVStoreClient:
         )
         self._pending: set[asyncio.Task] = set()
         self._pruned_at = time.monotonic()
+        if self.cfg.location_cache < 0:
+            raise InvalidArgument(f"client.location_cache must not be negative, got {self.cfg.location_cache}")
+        self._known = LocationCache(self.cfg.location_cache)
+        # Chains read from known locations, for the next Touch (one in flight at a time).
+        self._touches: list[bytes] = []
+        self._touch_keys = 0
+        self._touching = False
 
     def _prune(self) -> None:
         """Every PRUNE_S: drops shared-memory mappings of segments that are gone or replaced
@@ -140,21 +158,27 @@ class KVStoreClient:
             raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
         dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
         self._prune()
+        key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+        direct = await self._read_known(key_list, dests)
+        if direct == n:
+            return n
         t0 = time.monotonic()
+        rest = packed[direct * KEY_BYTES :]
         resp = await self._rpc(
             self._stub.Acquire,
-            meta_pb2.AcquireRequest(keys=packed, ttl_ms=int(self.cfg.lease_ttl_s * 1000), host_id=self.host_id),
+            meta_pb2.AcquireRequest(keys=rest, ttl_ms=int(self.cfg.lease_ttl_s * 1000), host_id=self.host_id),
         )
         hit = resp.hit_count
         if hit == 0:
-            return 0
+            return direct
         deadline = t0 + resp.ttl_ms / 1000.0
         places = locations_from_pb(resp.locations, hit)
-        for i, p in enumerate(places):
+        for i, p in enumerate(places, direct):
             if dests[i].size != p.length:
                 self._release(resp.lease_id, [])
                 raise InvalidArgument(f"buffers[{i}] holds {dests[i].size} bytes but block {i} is {p.length} bytes")
-        key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(hit)]
+        key_list = key_list[direct : direct + hit]
+        dests = dests[direct : direct + hit]
         total = sum(p.length for p in places)
         try:
             if total > _INLINE_COPY_BYTES:
@@ -167,7 +191,79 @@ class KVStoreClient:
             self._release(resp.lease_id, [])  # the lease goes now, not at its deadline
             raise
         self._release(resp.lease_id, corrupt)
+        self._known.remember(key_list[:loaded], places[:loaded], read=True)
+        return direct + loaded
+
+    async def _read_known(self, keys: list[bytes], dests: list[np.ndarray]) -> int:
+        """Reads the leading run of ``keys`` whose locations are known, without the service.
+        Returns how many leading blocks were loaded; the first that failed (it moved on, or its
+        daemon is gone) is forgotten, and the caller reads on from there through a lease."""
+        places = self._known.run(keys, self._shm_ok)
+        if not places:
+            return 0
+        for i, p in enumerate(places):
+            if dests[i].size != p.length:  # let the leased path judge (and raise) from here on
+                places = places[:i]
+                break
+        keys = keys[: len(places)]
+        if sum(p.length for p in places) > _INLINE_COPY_BYTES:
+            loaded, _ = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._read_run, keys, places, dests, float("inf"), True
+            )
+        else:
+            loaded, _ = self._read_run(keys, places, dests, float("inf"), True)
+        # Failures here are not reported as corrupt: without a lease the extent may simply
+        # have been reused, which the checks caught. The leased path reads the block again.
+        self._known.hits += loaded
+        if loaded < len(places):
+            self._known.stale += 1
+            self._known.forget(keys[loaded : loaded + 1])
+        if loaded:
+            self._touch(b"".join(keys[:loaded]), loaded)
         return loaded
+
+    def _shm_ok(self, p: Placement) -> bool:
+        try:
+            return self._use_shm(p)
+        except Unavailable:
+            return False
+
+    def _touch(self, chain: bytes, n: int) -> None:
+        """Queues a chain read from known locations for the next Touch; one Touch is in flight at
+        a time and takes everything queued meanwhile. Past 64 Ki keys waiting (the service
+        unreachable), the oldest are dropped: these are hints to the cache policy, not data."""
+        self._touches.append(chain)
+        self._touch_keys += n
+        while self._touch_keys > _MAX_TOUCH_KEYS and len(self._touches) > 1:
+            self._touch_keys -= len(self._touches.pop(0)) // KEY_BYTES
+        if self._touching:
+            return
+        self._touching = True
+
+        async def go() -> None:
+            try:
+                while self._touches:
+                    chains, n_keys, batch = [], 0, 0
+                    while self._touches and n_keys + len(self._touches[0]) // KEY_BYTES <= _TOUCH_BATCH_KEYS:
+                        c = self._touches.pop(0)
+                        n_keys += len(c) // KEY_BYTES
+                        chains.append(c)
+                        batch += 1
+                    if not chains:  # one chain longer than a batch: send it alone
+                        c = self._touches.pop(0)
+                        n_keys = len(c) // KEY_BYTES
+                        chains = [c[: _TOUCH_BATCH_KEYS * KEY_BYTES]]
+                    self._touch_keys -= n_keys
+                    try:
+                        await self._stub.Touch(meta_pb2.TouchRequest(chains=chains), timeout=self.cfg.rpc_timeout_s)
+                    except grpc.aio.AioRpcError as e:
+                        log.info("event=touch_failed chains=%d code=%s", len(chains), e.code().name)
+            finally:
+                self._touching = False
+
+        task = asyncio.get_running_loop().create_task(go())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def _split(self, sizes: list[int]) -> list[tuple[int, int]]:
         """Contiguous index ranges of about equal bytes, one per I/O thread (one if small)."""
@@ -185,15 +281,16 @@ class KVStoreClient:
         return [b for b in bounds if b[0] < b[1]]
 
     def _read_run(
-        self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float
+        self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float, direct: bool = False
     ) -> tuple[int, list[int]]:
         """Copies the leased run, split over the I/O threads; the run ends at the first block
         that failed. Returns (blocks loaded, run indexes to report as corrupt)."""
         ranges = self._split([p.length for p in places])
         futs = [
-            self._chunk_pool.submit(self._read_range, keys, places, dests, deadline, lo, hi) for lo, hi in ranges[1:]
+            self._chunk_pool.submit(self._read_range, keys, places, dests, deadline, lo, hi, direct)
+            for lo, hi in ranges[1:]
         ]
-        results = [self._read_range(keys, places, dests, deadline, *ranges[0])] + [f.result() for f in futs]
+        results = [self._read_range(keys, places, dests, deadline, *ranges[0], direct)] + [f.result() for f in futs]
         loaded = len(places)
         corrupt: list[int] = []
         for (_lo, hi), (n, bad) in zip(ranges, results):
@@ -203,7 +300,14 @@ class KVStoreClient:
         return loaded, corrupt
 
     def _read_range(
-        self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float, lo: int, hi: int
+        self,
+        keys: list[bytes],
+        places: list[Placement],
+        dests: list[np.ndarray],
+        deadline: float,
+        lo: int,
+        hi: int,
+        direct: bool = False,
     ) -> tuple[int, list[int]]:
         """Copies blocks lo..hi in order and stops at the first that fails. Returns (index of the
         first block not loaded, indexes to report as corrupt)."""
@@ -215,8 +319,17 @@ class KVStoreClient:
             p = places[i]
             if self._use_shm(p):
                 arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)
-                if not ShmTransport.read(arena, p.offset, p.length, dests[i], p.checksum):
-                    log.warning("event=checksum_mismatch transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
+                # Without a lease (direct) the arena must still be served (a dead daemon's blocks
+                # are misses) and the extent's header must name the block around the copy.
+                named = (p.key or keys[i]) if direct else b""
+                if direct and not arena.served():
+                    log.info("event=arena_not_served daemon=%s", p.daemon.daemon_id)
+                    return i, []
+                if not ShmTransport.read(arena, p.offset, p.length, dests[i], p.checksum, named, p.gen):
+                    if direct:
+                        log.debug("event=stale_location transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
+                    else:
+                        log.warning("event=checksum_mismatch transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
                     return i, [i]
                 i += 1
                 continue
@@ -237,13 +350,14 @@ class KVStoreClient:
                 for k in range(i, j)
             ]
             try:
-                ok = self._tcp.read(p.daemon.data_addr, items, dests[i:j])
+                ok = self._tcp.read(p.daemon.data_addr, items, dests[i:j], DIRECT if direct else 0)
             except (Unavailable, InvalidArgument) as e:
                 log.info("event=daemon_unreachable daemon=%s reason=%r", p.daemon.daemon_id, str(e))
                 return i, []
             for k, good in enumerate(ok):
                 if not good:
-                    log.warning("event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, i + k)
+                    level = logging.DEBUG if direct else logging.WARNING
+                    log.log(level, "event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, i + k)
                     return i + k, [i + k]
             i = j
         return hi, []
@@ -341,6 +455,12 @@ class KVStoreClient:
             )
             stored += commit.committed
             outcome = unpack(commit.status, U8, "status", len(alloc)) if commit.status else [0] * len(alloc)
+            ok = [k for k, st in enumerate(outcome) if st == common_pb2.COMMIT_OK]
+            self._known.remember(
+                [packed[alloc[k] * KEY_BYTES : (alloc[k] + 1) * KEY_BYTES] for k in ok],
+                [places[k] for k in ok],
+                read=False,
+            )
             full = outcome.count(common_pb2.COMMIT_NO_SPACE)
             no_space += full
             rejected += full
@@ -411,7 +531,9 @@ class KVStoreClient:
     async def remove(self, keys: Sequence[bytes] | bytes) -> int:
         """Removes stored keys; returns how many were removed. Leased bytes stay valid until
         their lease ends."""
-        return (await self._rpc(self._stub.Remove, meta_pb2.KeysRequest(keys=pack_keys(keys)))).count
+        packed = pack_keys(keys)
+        self._known.forget([packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)])
+        return (await self._rpc(self._stub.Remove, meta_pb2.KeysRequest(keys=packed))).count
 
     async def pin(self, keys: Sequence[bytes] | bytes) -> int:
         """Keeps stored keys from eviction until unpinned; returns how many changed."""
@@ -419,6 +541,11 @@ class KVStoreClient:
 
     async def unpin(self, keys: Sequence[bytes] | bytes) -> int:
         return (await self._rpc(self._stub.Unpin, meta_pb2.KeysRequest(keys=pack_keys(keys)))).count
+
+    def location_stats(self) -> dict[str, int]:
+        """Reads served from known locations (``hits``, in blocks), known locations found stale
+        (``stale``), and locations known now (``known``)."""
+        return {"hits": self._known.hits, "stale": self._known.stale, "known": len(self._known)}
 
     async def stats(self) -> meta_pb2.StatsResponse:
         return await self._rpc(self._stub.Stats, meta_pb2.StatsRequest())

@@ -67,6 +67,9 @@ class SyncKVStoreClient:
     def unpin(self, keys: Sequence[bytes] | bytes) -> int:
         return self._run(self._client.unpin(keys))
 
+    def location_stats(self) -> dict[str, int]:
+        return self._client.location_stats()
+
     def stats(self):  # noqa: ANN201
         return self._run(self._client.stats())
 

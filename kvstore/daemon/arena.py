@@ -3,12 +3,20 @@ same-host clients map, so that a same-host put or get is one memcpy with no sock
 
 The arena outlives a daemon crash (the file stays), so a restarted daemon reattaches it and
 rebuilds its inventory with :func:`kvstore.extent.scan`.
+
+Liveness: the daemon holds an exclusive ``flock`` on the arena for as long as it runs (the
+kernel drops it the moment the process dies), so a client can tell at the cost of one system
+call whether the arena it maps is still served (:meth:`ShmArena.served`) before it reads a
+block there without asking the metadata service. The lock also keeps a second daemon off an
+arena that one already serves.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +28,20 @@ def _check_owner(fd: int, path: str) -> None:
     uid = os.fstat(fd).st_uid
     if uid != os.geteuid():
         raise PermissionError(f"shared memory {path} is owned by uid {uid}, not this process's user ({os.geteuid()})")
+
+
+def _lock_served(fd: int, path: str, wait_s: float = 2.0) -> None:
+    """Takes the arena's exclusive lock for this daemon (a client's probe holds a shared one for
+    microseconds, so a few retries; another daemon holds it for good)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(f"shared memory {path} is already served by another daemon (it holds its lock)") from None
+            time.sleep(0.01)
 
 
 class ShmArena:
@@ -44,6 +66,7 @@ class ShmArena:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 _check_owner(fd, self.path)
+                _lock_served(fd, self.path)  # before anything changes the file
                 if os.fstat(fd).st_mode & 0o077:
                     os.fchmod(fd, 0o600)
                 existing = os.fstat(fd).st_size
@@ -61,9 +84,10 @@ class ShmArena:
                         e.errno, f"cannot allocate {size} bytes of shared memory at {self.path}: {e.strerror}"
                     ) from None
                 self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            finally:
+            except BaseException:
                 if fd >= 0:
                     os.close(fd)
+                raise
         else:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
             try:
@@ -72,10 +96,29 @@ class ShmArena:
                 if actual != size:
                     raise OSError(f"shared memory {self.path} is {actual} bytes, expected {size}")
                 self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+        # Kept open: the daemon's holds its lock, a client's probes it.
+        self._fd = fd
         self.view = memoryview(self._map)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def served(self) -> bool:
+        """Whether a daemon serves this arena now (holds its lock). One system call."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
+    def unserve(self) -> None:
+        """The daemon stops serving reads without a lease from this arena (a drain)."""
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def clear_header(self, offset: int) -> None:
         self.view[offset : offset + HEADER_SIZE] = CLEARED
@@ -101,6 +144,9 @@ class ShmArena:
         return False
 
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # a daemon's lock goes with it
+            self._fd = -1
         self.array = None  # type: ignore[assignment]
         self.view.release()
         try:

@@ -35,6 +35,7 @@ from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.extent import HEADER_SIZE, Sealer, checksum
 from kvstore.transport.frames import (
+    DIRECT,
     ENTRY,
     MAGIC,
     REQ_HEAD,
@@ -125,6 +126,7 @@ class DataPort:
             "refused_connections": 0, "idle_closed": 0, "tls_refused": 0, "ticket_refused": 0,
         }  # fmt: skip
         self.active = 0  # requests being served (a drain waits for 0)
+        self.draining = False  # reads without a lease are misses (see frames.DIRECT)
         self._local = threading.local()
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dataport-io")
         self._thread = threading.Thread(target=self._accept_loop, name="dataport-accept", daemon=True)
@@ -192,6 +194,7 @@ class DataPort:
                 op, req_id = head[5], REQ_HEAD.unpack(head)[4]
                 try:
                     op, req_id, count = check_head(bytes(head))
+                    flags = int.from_bytes(head[6:8], "little")
                     raw = recv_bytes(conn, count * ENTRY.size) if count else b""
                     if raw is None:
                         return
@@ -207,7 +210,7 @@ class DataPort:
                     self.active += 1
                 try:
                     if op == Op.READ:
-                        self._read(conn, op, req_id, entries, arenas)
+                        self._read(conn, op, req_id, entries, arenas, flags)
                     elif op == Op.WRITE:
                         self._write(conn, op, req_id, entries, arenas)
                     else:
@@ -232,8 +235,12 @@ class DataPort:
             self.counters["ticket_refused"] += 1
             raise
 
-    def _read(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list) -> None:
+    def _read(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list, flags: int) -> None:
         conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0))
+        if flags & DIRECT and self.draining:
+            # Reads without a lease, once this daemon's blocks have left the index: misses.
+            conn.sendall(bytes([EntryStatus.MISMATCH]) * len(entries))
+            return
         sent = 0
         # SSD blocks are read ahead on the I/O pool (direct reads, verified there) while earlier
         # ones are being sent: the disk and the socket work at the same time.

@@ -328,6 +328,10 @@ class CacheDaemon:
         if self.draining:
             return
         self.draining = True
+        # Clients reading without a lease from here on get misses: the arena stops being
+        # served (its lock goes) and the data port answers their reads as mismatches.
+        self.dataport.draining = True
+        self.dram.unserve()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await self.health.set_serving(False)

@@ -83,7 +83,7 @@ _COUNTERS = (
     "evictions", "evicted_bytes", "dropped_clean", "demoted", "demoted_bytes", "promoted",
     "promoted_bytes", "moves_failed", "removed", "expired_puts", "expired_leases", "corrupt_reported",
     "daemons_lost", "daemons_drained", "commit_failed_keys", "tombstones", "tombstones_dropped", "stall_grace",
-    "not_admitted_keys",
+    "not_admitted_keys", "touches", "touched_keys",
 )  # fmt: skip
 
 
@@ -276,6 +276,32 @@ class Index(Membership, Writes, TierMoves):
         self.leases[lease_id] = Lease(lease_id, deadline, reps)
         heapq.heappush(self._lease_deadlines, (deadline, lease_id))
         return AcquireResult(len(run), lease_id, reps, ttl)
+
+    def touch(self, chains: list[bytes]) -> int:
+        """Reads that a client served itself from locations it held (no lease): each packed chain
+        counts for the cache policy as an :meth:`acquire` of it would (access counts, recency tail
+        first, SSD blocks queued for promotion). Returns how many of the keys are stored."""
+        total = 0
+        parsed = []
+        for i, packed in enumerate(chains):
+            keys = self._keys(packed, f"chains[{i}]")
+            total += len(keys)
+            if total > self.limits.max_batch_keys:
+                raise InvalidArgument(f"chains: over the limit of {self.limits.max_batch_keys} keys in one call")
+            parsed.append(keys)
+        stored = 0
+        for keys in parsed:
+            run = self._run(keys)
+            self.policy.access(keys)
+            for e in run:
+                rep = e.replica
+                if rep is not None and rep.segment.spec.tier != Tier.DRAM:
+                    self.promote_queue[e.key] = None
+            self._touch_chain(keys)
+            stored += len(run)
+            self.counters["touches"] += 1
+            self.counters["touched_keys"] += len(run)
+        return stored
 
     def _unlease(self, rep: Replica) -> None:
         rep.leases -= 1

@@ -275,6 +275,15 @@ class MetaServicer:
         await self.link.flush(mark)
         return meta_pb2.ReleaseResponse(released=True)
 
+    def Touch(self, request, context):
+        ident = self._who(context, "tenant", "admin")
+        if len(request.chains) > self.index.limits.max_batch_keys:
+            raise InvalidArgument(
+                f"chains: {len(request.chains)} chains is over the limit of {self.index.limits.max_batch_keys}"
+            )
+        stored = self.index.touch([self._keys(c, ident) for c in request.chains])
+        return meta_pb2.TouchResponse(stored=stored)
+
     async def Remove(self, request, context):
         mark = self.link.mark()
         ident = self._who(context, "tenant", "admin")

@@ -17,6 +17,9 @@ connection is closed: nothing of that request was applied. ``offset`` is the ext
 (its header); payload bytes live at ``offset + 64``. ``gen`` is the placement's generation: a
 READ is served only if the extent holds that generation of the key; a WRITE lands as a pending
 block of that generation, which only the metadata service's commit makes a stored one.
+A READ head may carry the flag ``DIRECT``: the reader holds no lease, it reads from a location
+it learned earlier (:mod:`kvstore.client.locations`); a draining daemon, whose blocks have left
+the index, answers such entries as a mismatch (a miss) and serves only leased reads.
 ``expiry`` and ``mac`` are the entry's capability ticket from the metadata service
 (:mod:`kvstore.tickets`); a daemon that requires tickets refuses the frame when one does not
 match what its entry names, or has expired.
@@ -34,6 +37,7 @@ REQ_HEAD = struct.Struct("<4sBBHQI")
 ENTRY = struct.Struct("<16sIIQQQQ16s")
 RESP_HEAD = struct.Struct("<4sBBHQII")
 MAX_ENTRIES = 65536
+DIRECT = 1  # head flag of a READ without a lease
 MAX_MESSAGE = 4096
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 
 import numpy as np
 
 from kvstore.daemon.arena import ShmArena
-from kvstore.extent import HEADER_SIZE, checksum
+from kvstore.extent import HEADER_SIZE, MAGIC, VERSION, checksum
+
+_FIELDS = struct.Struct("<4sHH16sQQQ")  # the header's magic .. gen (kvstore.extent)
 
 log = logging.getLogger("kvstore.client")
 RETRY_S = 30.0
@@ -80,13 +83,25 @@ class ShmTransport:
         return len(self._arenas)
 
     @staticmethod
-    def read(arena: ShmArena, offset: int, length: int, dest: np.ndarray, csum: int) -> bool:
-        """Copies one payload into ``dest``; True if the copy matches ``csum``."""
+    def read(
+        arena: ShmArena, offset: int, length: int, dest: np.ndarray, csum: int, key: bytes = b"", gen: int = 0
+    ) -> bool:
+        """Copies one payload into ``dest``; True if the copy matches ``csum`` and (with ``key``)
+        the extent's header named that block, ``key`` at generation ``gen``, both before and after
+        the copy. That makes a read without a lease safe: an extent is freed or reused only after
+        its header is cleared (invalidation, or the next writer), so a copy that raced with reuse
+        fails a check instead of returning another block's bytes."""
         start = offset + HEADER_SIZE
-        if start + length > arena.size:
+        if offset < 0 or start + length > arena.size:
             return False
+        if key:
+            head = _FIELDS.unpack_from(arena.view, offset)
+            if head != (MAGIC, VERSION, 0, key, length, csum, gen):
+                return False
         np.copyto(dest, arena.array[start : start + length])
-        return checksum(dest) == csum
+        if checksum(dest) != csum:
+            return False
+        return not key or _FIELDS.unpack_from(arena.view, offset) == head
 
     @staticmethod
     def write(arena: ShmArena, offset: int, src: np.ndarray) -> bool:

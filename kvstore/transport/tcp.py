@@ -100,12 +100,12 @@ class TcpTransport:
         with self._lock:
             return sum(len(p) for p in self._idle.values())
 
-    def _request(self, addr: str, op: Op, entries: list[bytes], payloads: Sequence[np.ndarray] = ()):
+    def _request(self, addr: str, op: Op, entries: list[bytes], payloads: Sequence[np.ndarray] = (), flags: int = 0):
         """Sends one frame; returns the socket and (WRITE) the per-entry statuses."""
         s = self._connect(addr)
         req_id = next(self._ids)
         try:
-            head = REQ_HEAD.pack(MAGIC, VERSION, op, 0, req_id, len(entries))
+            head = REQ_HEAD.pack(MAGIC, VERSION, op, flags, req_id, len(entries))
             s.sendall(head + b"".join(entries))
             for p in payloads:
                 s.sendall(memoryview(p))
@@ -134,14 +134,15 @@ class TcpTransport:
             s.close()
             raise
 
-    def read(self, addr: str, items: Sequence[tuple], dests: Sequence[np.ndarray]) -> list[bool]:
-        """Reads ``items`` (key, segment_id, offset, length, checksum, gen, ticket) into ``dests``.
+    def read(self, addr: str, items: Sequence[tuple], dests: Sequence[np.ndarray], flags: int = 0) -> list[bool]:
+        """Reads ``items`` (key, segment_id, offset, length, checksum, gen, ticket) into ``dests``
+        (``flags``: the head's, e.g. ``frames.DIRECT``).
 
         Returns per item whether its bytes arrived and match the checksum. Raises Unavailable
         if the daemon cannot be reached (the caller turns that into misses).
         """
         entries = [_entry(*it) for it in items]
-        s, _ = self._request(addr, Op.READ, entries)
+        s, _ = self._request(addr, Op.READ, entries, flags=flags)
         ok: list[bool] = []
         status = bytearray(1)
         try:

@@ -191,6 +191,18 @@ class ReleaseResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class TouchRequest(_message.Message):
+    __slots__ = ("chains",)
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    chains: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, chains: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class TouchResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
 class KeysRequest(_message.Message):
     __slots__ = ("keys", "tenant")
     KEYS_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class MetaServiceStub:
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_meta__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Touch = channel.unary_unary(
+                '/kvstore.v1.MetaService/Touch',
+                request_serializer=kvstore_dot_v1_dot_meta__pb2.TouchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_meta__pb2.TouchResponse.FromString,
+                _registered_method=True)
         self.Remove = channel.unary_unary(
                 '/kvstore.v1.MetaService/Remove',
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.KeysRequest.SerializeToString,
@@ -168,6 +173,14 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Touch(self, request, context):
+        """Reads a client served itself from locations it already held (no lease): they count for
+        the cache policy (recency, frequency, promotion) as an Acquire of the same chains would.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Remove(self, request, context):
         """Management.
         """
@@ -247,6 +260,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvstore_dot_v1_dot_meta__pb2.ReleaseRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_meta__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Touch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Touch,
+                    request_deserializer=kvstore_dot_v1_dot_meta__pb2.TouchRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_meta__pb2.TouchResponse.SerializeToString,
             ),
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
@@ -517,6 +535,33 @@ class MetaService:
             '/kvstore.v1.MetaService/Release',
             kvstore_dot_v1_dot_meta__pb2.ReleaseRequest.SerializeToString,
             kvstore_dot_v1_dot_meta__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Touch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.MetaService/Touch',
+            kvstore_dot_v1_dot_meta__pb2.TouchRequest.SerializeToString,
+            kvstore_dot_v1_dot_meta__pb2.TouchResponse.FromString,
             options,
             channel_credentials,
             insecure,
