@@ -46,6 +46,10 @@ class MetaConfig:
     # Sign a capability ticket for every placement handed out, so that daemons serve a data-port
     # entry only to whom the service gave it (kvstore.tickets); false: daemons check none.
     data_tickets: bool = True
+    # A read ticket's life (at least its lease's): it names one generation of one block, served
+    # only while the extent holds exactly that, so a client may read a block it knows again without
+    # the service until then (kvstore.client.locations). 0: the lease's end.
+    read_ticket_ttl_s: float = 600.0
     # Identities, roles and tenants (kvstore.meta.auth); empty: every caller trusted, one tenant.
     auth_file: str = ""
     # The secret tenant key masks derive from (made on first start); empty: <auth_file>.secret.
@@ -294,7 +298,7 @@ def validate(cfg: Config) -> None:
         if not (math.isfinite(v) and 0 <= v <= 1):
             raise InvalidArgument(f"meta.{key}: must be a fraction in [0, 1], got {v}")
     one_of("meta", "cache_policy", POLICIES)
-    for key in ("tenant_max_leased_bytes", "tenant_max_pinned_bytes"):
+    for key in ("tenant_max_leased_bytes", "tenant_max_pinned_bytes", "read_ticket_ttl_s"):
         positive("meta", key, allow_zero=True)
     if m.dram_low_watermark >= m.dram_high_watermark:
         raise InvalidArgument(

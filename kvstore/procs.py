@@ -2,7 +2,9 @@
 
 Every server (``kvstore serve|meta|daemon``, engine workers) prints one line ``READY {json}`` on
 stdout once it accepts requests; :func:`start` waits for that line (with a deadline, never a
-fixed sleep) and returns the process with the parsed JSON.
+fixed sleep) and returns the process with the parsed JSON. A third-party server that prints no
+such line (``redis-server``, ``mooncake_master``) is started by :func:`start_listening`, which
+waits until its port accepts connections instead.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -56,14 +59,18 @@ def start(
     stderr: IO | int | None = None,
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
+    stdin: IO | int | None = None,
+    preexec_fn: Callable[[], object] | None = None,
 ) -> Child:
     """Runs ``python -m <module> <args>`` and waits for its READY line."""
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=stderr,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         cwd=cwd,
+        preexec_fn=preexec_fn,
     )
     lines: queue.Queue[bytes] = queue.Queue()
 
@@ -84,4 +91,52 @@ def start(
         if line.startswith(b"READY "):
             return Child(proc, json.loads(line[6:]), name or args[0])
     proc.kill()
+    proc.wait(10)
     raise RuntimeError(f"{name or ' '.join(args)} did not become ready (exit code {proc.poll()})")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (another process may still take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_port(proc: subprocess.Popen, port: int, timeout: float, name: str, host: str = "127.0.0.1") -> None:
+    """Waits until ``port`` accepts connections; raises RuntimeError if ``proc`` exits first or
+    the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before listening on {port}")
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{name} not listening on {port} after {timeout:.0f} s")
+
+
+def start_listening(
+    cmd: Sequence[str],
+    port: int,
+    name: str,
+    timeout: float = 60.0,
+    host: str = "127.0.0.1",
+    stdout: IO | int | None = None,
+    stderr: IO | int | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    preexec_fn: Callable[[], object] | None = None,
+) -> Child:
+    """Runs a server that prints no READY line (a third-party program, ``cmd`` as given) and waits
+    until it accepts connections on ``port``; if it does not, stops it and raises RuntimeError.
+    The child's info is ``{"port": port}``."""
+    proc = subprocess.Popen(list(cmd), stdout=stdout, stderr=stderr, env=env, cwd=cwd, preexec_fn=preexec_fn)
+    child = Child(proc, {"port": port}, name)
+    try:
+        wait_port(proc, port, timeout, name, host)
+    except BaseException:
+        child.stop()
+        raise
+    return child

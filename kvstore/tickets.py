@@ -7,8 +7,12 @@ service hands out, it signs what the holder may do with that one extent:
     mac = BLAKE2b-128(key = daemon's ticket key,
                       op u8 | segment_id u32 | offset u64 | length u64 | gen u64 | expiry u32 | block key 16s)
 
-``op`` is READ (an Acquire's locations: ``expiry`` = the lease's end) or WRITE (a PutStart's
-placements: ``expiry`` = the reservation's end); ``expiry`` is in wall-clock seconds. The client
+``op`` is READ (an Acquire's locations: ``expiry`` = the lease's end, or ``meta.read_ticket_ttl_s``
+from now if that is later) or WRITE (a PutStart's placements: ``expiry`` = the reservation's end); ``expiry`` is in
+wall-clock seconds. A read ticket names one generation of one block, which the daemon serves only
+while its extent holds exactly that (eviction, removal or reuse ends it sooner than any expiry), so
+it may outlive the lease: a client reads a block it knows again without asking the service
+(:mod:`kvstore.client.locations`). The client
 sends the MAC and expiry with each data-port entry, and the daemon serves an entry only if the
 MAC matches what it names and the expiry has not passed (with ``SKEW_S`` of tolerance between
 hosts' clocks). So a peer cannot read or write an extent the service did not give it, nor use a

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -52,9 +54,11 @@ _INLINE_COPY_BYTES = 8 << 20
 
 # How often a client forgets mappings and connections of daemons that left.
 PRUNE_S = 30.0
-# Keys per Touch call, and the most that wait for one (see KVStoreClient._touch).
+# Keys per Touch call, the most that wait for one, and how long the first waits for others to
+# join it (see KVStoreClient._touch): a cache policy needs no finer time than that.
 _TOUCH_BATCH_KEYS = 4096
 _MAX_TOUCH_KEYS = 1 << 16
+_TOUCH_DELAY_S = 0.05
 
 
 class PutResult(NamedTuple):
@@ -97,9 +101,12 @@ class KVStoreClient:
             raise InvalidArgument(f"client.location_cache must not be negative, got {self.cfg.location_cache}")
         self._known = LocationCache(self.cfg.location_cache)
         # Chains read from known locations, for the next Touch (one in flight at a time).
-        self._touches: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+        self._touch_lock = threading.Lock()
+        self._touches: deque[bytes] = deque()
         self._touch_keys = 0
         self._touching = False
+        self._closing = False
 
     def _prune(self) -> None:
         """Every PRUNE_S: drops shared-memory mappings of segments that are gone or replaced
@@ -117,6 +124,9 @@ class KVStoreClient:
         await self.close()
 
     async def close(self) -> None:
+        with self._touch_lock:
+            self._closing = True  # reads from other threads queue no more Touch calls
+        await self._send_touches()  # what waits for its delay goes now
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         await self._channel.close()
@@ -159,7 +169,7 @@ class KVStoreClient:
         dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
         self._prune()
         key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
-        direct = await self._read_known(key_list, dests)
+        direct = await self._read_known_async(key_list, dests)
         if direct == n:
             return n
         t0 = time.monotonic()
@@ -194,24 +204,34 @@ class KVStoreClient:
         self._known.remember(key_list[:loaded], places[:loaded], read=True)
         return direct + loaded
 
-    async def _read_known(self, keys: list[bytes], dests: list[np.ndarray]) -> int:
-        """Reads the leading run of ``keys`` whose locations are known, without the service.
-        Returns how many leading blocks were loaded; the first that failed (it moved on, or its
-        daemon is gone) is forgotten, and the caller reads on from there through a lease."""
+    def get_known(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
+        """Loads the leading run of ``keys`` whose locations this client knows, without the
+        metadata service, in the calling thread (any thread: the sync client calls it in its
+        callers' threads, with no hop to the event loop). Returns how many leading blocks were
+        loaded, each verified; :meth:`get_into` reads on from there."""
+        packed = pack_keys(keys)
+        n = len(packed) // KEY_BYTES
+        if len(buffers) != n:
+            raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
+        dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+        key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+        return self._read_known(key_list, dests, self._known_run(key_list, dests))
+
+    def _known_run(self, keys: list[bytes], dests: list[np.ndarray]) -> list[Placement]:
         places = self._known.run(keys, self._shm_ok)
-        if not places:
-            return 0
         for i, p in enumerate(places):
             if dests[i].size != p.length:  # let the leased path judge (and raise) from here on
-                places = places[:i]
-                break
+                return places[:i]
+        return places
+
+    def _read_known(self, keys: list[bytes], dests: list[np.ndarray], places: list[Placement]) -> int:
+        """Reads ``places`` (the known run of ``keys``) without a lease. Returns how many leading
+        blocks were loaded; the first that failed (it moved on, or its daemon is gone) is
+        forgotten, and the caller reads on from there through a lease."""
+        if not places:
+            return 0
         keys = keys[: len(places)]
-        if sum(p.length for p in places) > _INLINE_COPY_BYTES:
-            loaded, _ = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._read_run, keys, places, dests, float("inf"), True
-            )
-        else:
-            loaded, _ = self._read_run(keys, places, dests, float("inf"), True)
+        loaded, _ = self._read_run(keys, places, dests, float("inf"), True)
         # Failures here are not reported as corrupt: without a lease the extent may simply
         # have been reused, which the checks caught. The leased path reads the block again.
         self._known.hits += loaded
@@ -222,6 +242,12 @@ class KVStoreClient:
             self._touch(b"".join(keys[:loaded]), loaded)
         return loaded
 
+    async def _read_known_async(self, keys: list[bytes], dests: list[np.ndarray]) -> int:
+        places = self._known_run(keys, dests)
+        if sum(p.length for p in places) > _INLINE_COPY_BYTES:
+            return await self._loop.run_in_executor(self._pool, self._read_known, keys, dests, places)
+        return self._read_known(keys, dests, places)
+
     def _shm_ok(self, p: Placement) -> bool:
         try:
             return self._use_shm(p)
@@ -229,41 +255,55 @@ class KVStoreClient:
             return False
 
     def _touch(self, chain: bytes, n: int) -> None:
-        """Queues a chain read from known locations for the next Touch; one Touch is in flight at
-        a time and takes everything queued meanwhile. Past 64 Ki keys waiting (the service
-        unreachable), the oldest are dropped: these are hints to the cache policy, not data."""
-        self._touches.append(chain)
-        self._touch_keys += n
-        while self._touch_keys > _MAX_TOUCH_KEYS and len(self._touches) > 1:
-            self._touch_keys -= len(self._touches.pop(0)) // KEY_BYTES
-        if self._touching:
+        """Queues a chain read from known locations for the next Touch (from any thread); the
+        first waits ``_TOUCH_DELAY_S`` for others, one Touch is in flight at a time, and each takes
+        everything queued meanwhile. Past 64 Ki keys
+        waiting (the service unreachable), the oldest are dropped: these are hints to the cache
+        policy, not data."""
+        with self._touch_lock:
+            self._touches.append(chain)
+            self._touch_keys += n
+            while self._touch_keys > _MAX_TOUCH_KEYS and len(self._touches) > 1:
+                self._touch_keys -= len(self._touches.popleft()) // KEY_BYTES
+            if self._touching or self._closing:
+                return
+            self._touching = True
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._loop.call_later(_TOUCH_DELAY_S, self._start_touches)
+        else:
+            self._loop.call_soon_threadsafe(self._loop.call_later, _TOUCH_DELAY_S, self._start_touches)
+
+    def _start_touches(self) -> None:
+        if self._closing:  # close() sent them
             return
-        self._touching = True
-
-        async def go() -> None:
-            try:
-                while self._touches:
-                    chains, n_keys, batch = [], 0, 0
-                    while self._touches and n_keys + len(self._touches[0]) // KEY_BYTES <= _TOUCH_BATCH_KEYS:
-                        c = self._touches.pop(0)
-                        n_keys += len(c) // KEY_BYTES
-                        chains.append(c)
-                        batch += 1
-                    if not chains:  # one chain longer than a batch: send it alone
-                        c = self._touches.pop(0)
-                        n_keys = len(c) // KEY_BYTES
-                        chains = [c[: _TOUCH_BATCH_KEYS * KEY_BYTES]]
-                    self._touch_keys -= n_keys
-                    try:
-                        await self._stub.Touch(meta_pb2.TouchRequest(chains=chains), timeout=self.cfg.rpc_timeout_s)
-                    except grpc.aio.AioRpcError as e:
-                        log.info("event=touch_failed chains=%d code=%s", len(chains), e.code().name)
-            finally:
-                self._touching = False
-
-        task = asyncio.get_running_loop().create_task(go())
+        task = self._loop.create_task(self._send_touches())
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+
+    async def _send_touches(self) -> None:
+        while True:
+            with self._touch_lock:
+                if not self._touches:
+                    self._touching = False
+                    return
+                chains, n_keys = [], 0
+                while self._touches and n_keys + len(self._touches[0]) // KEY_BYTES <= _TOUCH_BATCH_KEYS:
+                    c = self._touches.popleft()
+                    n_keys += len(c) // KEY_BYTES
+                    chains.append(c)
+                if not chains:  # one chain longer than a batch: its head goes alone
+                    c = self._touches.popleft()
+                    n_keys = len(c) // KEY_BYTES
+                    chains = [c[: _TOUCH_BATCH_KEYS * KEY_BYTES]]
+                self._touch_keys -= n_keys
+            try:
+                await self._stub.Touch(meta_pb2.TouchRequest(chains=chains), timeout=self.cfg.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.info("event=touch_failed chains=%d code=%s", len(chains), e.code().name)
 
     def _split(self, sizes: list[int]) -> list[tuple[int, int]]:
         """Contiguous index ranges of about equal bytes, one per I/O thread (one if small)."""

@@ -20,6 +20,7 @@ the request takes the leased path. Nothing here can return bytes that are not th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -50,11 +51,13 @@ def tcp_until(place: Placement, read: bool) -> float:
 
 
 class LocationCache:
-    """Key -> the location it was last seen at; bounded, least recently used out."""
+    """Key -> the location it was last seen at; bounded, least recently used out. Thread-safe
+    (the sync client reads known blocks in its callers' threads)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._d: OrderedDict[bytes, Known] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = 0  # blocks read from remembered locations
         self.stale = 0  # remembered locations that no longer held their block
 
@@ -66,31 +69,39 @@ class LocationCache:
         if self.capacity <= 0:
             return
         d = self._d
-        for k, p in zip(keys, places):
-            d[k] = Known(p, tcp_until(p, read))
-            d.move_to_end(k)
-        while len(d) > self.capacity:
-            d.popitem(last=False)
+        known = [Known(p, tcp_until(p, read)) for p in places]
+        with self._lock:
+            for k, kn in zip(keys, known):
+                d[k] = kn
+                d.move_to_end(k)
+            while len(d) > self.capacity:
+                d.popitem(last=False)
 
     def run(self, keys: Sequence[bytes], shm_ok) -> list[Placement]:  # noqa: ANN001 - callable(Placement) -> bool
         """The leading run of ``keys`` with a remembered location that can be read now: through
         shared memory (``shm_ok``), or over the data port while its ticket allows."""
-        out: list[Placement] = []
+        out: list[Known] = []
         d = self._d
+        with self._lock:
+            for k in keys:
+                known = d.get(k)
+                if known is None:
+                    break
+                d.move_to_end(k)
+                out.append(known)
         now = time.time()
-        for k in keys:
-            known = d.get(k)
-            if known is None:
-                break
+        places: list[Placement] = []
+        for known in out:
             if not shm_ok(known.place) and known.tcp_until <= now:
                 break
-            d.move_to_end(k)
-            out.append(known.place)
-        return out
+            places.append(known.place)
+        return places
 
     def forget(self, keys: Sequence[bytes]) -> None:
-        for k in keys:
-            self._d.pop(k, None)
+        with self._lock:
+            for k in keys:
+                self._d.pop(k, None)
 
     def clear(self) -> None:
-        self._d.clear()
+        with self._lock:
+            self._d.clear()

@@ -1,7 +1,8 @@
 """``SyncKVStoreClient``: the blocking facade over :class:`KVStoreClient`.
 
 It runs one private event loop in a daemon thread and forwards each call to it, so the async
-client stays the single implementation. Safe to call from several threads at once.
+client stays the single implementation; a get of blocks whose locations the client knows is read
+in the calling thread instead (no hop to the loop). Safe to call from several threads at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from kvstore.client.client import KVStoreClient, PutResult
 from kvstore.config import ClientConfig
+from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.tls import TlsConfig
 
 
@@ -53,7 +55,12 @@ class SyncKVStoreClient:
         return self._run(self._client.exists(keys))
 
     def get_into(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
-        return self._run(self._client.get_into(keys, buffers))
+        # Known blocks are read here, in the caller's thread; the rest through the event loop.
+        done = self._client.get_known(keys, buffers)
+        if done == len(buffers):
+            return done
+        rest = pack_keys(keys)[done * KEY_BYTES :]
+        return done + self._run(self._client.get_into(rest, buffers[done:]))
 
     def put(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any], *, chain: bool = True) -> PutResult:
         return self._run(self._client.put(keys, buffers, chain=chain))

@@ -83,7 +83,13 @@ class MetaServer:
         authority = Authority(self.cfg.auth_file, self.cfg.tenant_secret_file) if self.cfg.auth_file else None
         quotas = Quotas(self.cfg.tenant_max_leased_bytes, self.cfg.tenant_max_pinned_bytes)
         servicer = MetaServicer(
-            self.index, self.link, self.cfg.allow_clock_skew, self.cfg.data_tickets, authority, quotas
+            self.index,
+            self.link,
+            self.cfg.allow_clock_skew,
+            self.cfg.data_tickets,
+            authority,
+            quotas,
+            self.cfg.read_ticket_ttl_s,
         )
         add_service(self.server, meta_pb2, "MetaService", servicer, self.registry)
         add_service(self.server, health_pb2, "Health", self.health.servicer)

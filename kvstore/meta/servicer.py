@@ -73,8 +73,10 @@ class MetaServicer:
         tickets: bool = True,
         authority: Authority | None = None,
         quotas: Quotas | None = None,
+        read_ticket_ttl_s: float = 600.0,
     ) -> None:
         self.index = index
+        self.read_ticket_ttl_s = read_ticket_ttl_s
         self.quotas = quotas or Quotas()
         self.link = link
         self.allow_clock_skew = allow_clock_skew
@@ -262,7 +264,9 @@ class MetaServicer:
         return meta_pb2.AcquireResponse(
             hit_count=res.hit_count,
             lease_id=res.lease_id,
-            locations=locations_to_pb(res.locations, tickets.READ, res.ttl, keys=self.authority is not None),
+            locations=locations_to_pb(
+                res.locations, tickets.READ, max(res.ttl, self.read_ticket_ttl_s), keys=self.authority is not None
+            ),
             ttl_ms=int(res.ttl * 1000),
         )
 

@@ -114,7 +114,7 @@ def _exp(p) -> tuple[int]:  # noqa: ANN001
 
 
 def test_an_expired_ticket_is_refused(cluster):
-    start(cluster, daemon_sets=("daemon.ticket_skew_s=0",))
+    start(cluster, "meta.read_ticket_ttl_s=0", daemon_sets=("daemon.ticket_skew_s=0",))
     r, places = acquire(cluster.meta_addr, KEYS[:1])
     p = places[0]
     r2 = stub(cluster.meta_addr).Acquire(meta_pb2.AcquireRequest(keys=KEYS[0], ttl_ms=1), timeout=10)
