@@ -3,10 +3,14 @@
 #
 #   scripts/setup.sh          # runtime + dev tools (tests, lint, proto generation)
 #
-# Also redis-server (Debian package, when run as root) for the peer benchmark's Redis baseline.
+# Also every peer that bench/peers.py compares kvstore with: redis-server (Debian package, when run
+# as root) and Mooncake Store (the mooncake-transfer-engine-non-cuda wheel, and the system libraries
+# it links against, libibverbs1 and libnuma1, from Debian when run as root); the benchmark fails
+# rather than leave one out.
 # torch (for the engine and the torch-buffer tests): the CPU build where there is no GPU
 # (torch==2.13.0, a small wheel), the default CUDA build where nvidia-smi finds a GPU.
-# KVSTORE_NO_TORCH=1 skips it. Re-running is cheap: it only installs what is missing.
+# KVSTORE_NO_TORCH=1 skips it. Re-running is cheap: it only installs what is missing, and nothing
+# at all while pyproject.toml and this script are as they were at the last complete run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +20,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 stamp=.venv/.kvstore-setup
-want="$(sha256sum pyproject.toml | cut -c1-16)-${KVSTORE_NO_TORCH:-0}"
+# The stamp covers this script too, so that a step added here also runs on machines set up before.
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -29,9 +34,20 @@ if [ "${KVSTORE_NO_TORCH:-0}" != "1" ] && ! "$VPY" -c "import torch" 2>/dev/null
     "$VPY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   fi
 fi
-# redis-server: the baseline of the peer benchmark and its test (they skip without it).
-if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
-    || echo "setup: could not install redis-server; the Redis baseline will be skipped" >&2
+# The peers of bench/peers.py (which fails without them unless told --skip NAME; its test skips
+# without redis-server). Debian packages: redis-server, and libibverbs1 and libnuma1, which
+# Mooncake's native libraries link against.
+apt_missing=""
+command -v redis-server >/dev/null 2>&1 || apt_missing="redis-server"
+for pkg in libibverbs1 libnuma1; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing="$apt_missing $pkg"
+done
+if [ -n "$apt_missing" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  # shellcheck disable=SC2086  # one word per package
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $apt_missing >/dev/null) \
+    || echo "setup: could not install$apt_missing; bench/peers.py needs them (or --skip redis / mooncake)" >&2
 fi
+# Mooncake Store, CPU-only build (its Python package is `mooncake`: mooncake.store, mooncake_master).
+"$VPY" -m pip install -q --disable-pip-version-check mooncake-transfer-engine-non-cuda \
+  || echo "setup: could not install mooncake-transfer-engine-non-cuda; bench/peers.py needs it (or --skip mooncake)" >&2
 echo "$want" > "$stamp"
