@@ -133,20 +133,41 @@ def _wrap(service: str, method: str, fn: Any, registry: CollectorRegistry | None
     return handler
 
 
+def _wrap_each(unary: Any) -> Any:
+    """A bidirectional stream answered message by message, in order, by a unary handler (its
+    checks, errors and metrics per message); an error ends the stream with its status."""
+
+    async def handler(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for request in requests:
+            yield await unary(request, context)
+
+    handler.__name__ = getattr(unary, "__name__", "stream")
+    return handler
+
+
 def add_service(
     server: grpc.aio.Server, pb2: Any, service_name: str, servicer: Any, registry: CollectorRegistry | None = None
 ) -> None:
     """Registers ``servicer``'s methods for ``service_name`` of the generated module ``pb2``
-    (unary-unary, or unary-stream as in gRPC health's ``Watch``), unary ones measured into
-    ``registry`` (a long-lived stream such as ``Watch`` has no latency worth a histogram)."""
+    (unary-unary, unary-stream as in gRPC health's ``Watch``, or a bidirectional stream whose
+    servicer method answers one message, see :func:`_wrap_each`), unary ones and each message of
+    a bidirectional stream measured into ``registry`` (a long-lived stream such as ``Watch`` has
+    no latency worth a histogram)."""
     desc = pb2.DESCRIPTOR.services_by_name[service_name]
     handlers = {}
     for m in desc.methods:
         req_cls = getattr(pb2, m.input_type.name, None) or _message_class(m.input_type)
         resp_cls = getattr(pb2, m.output_type.name, None) or _message_class(m.output_type)
         fn = getattr(servicer, m.name)
-        if m.client_streaming:
+        if m.client_streaming and not m.server_streaming:
             raise ValueError(f"{desc.full_name}.{m.name}: client-streaming methods are not supported")
+        if m.client_streaming:
+            handlers[m.name] = grpc.stream_stream_rpc_method_handler(
+                _wrap_each(_wrap(desc.full_name, m.name, fn, registry)),
+                request_deserializer=_deserializer(req_cls),
+                response_serializer=resp_cls.SerializeToString,
+            )
+            continue
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[m.name] = make(
             _wrap(desc.full_name, m.name, fn, None if m.server_streaming else registry),

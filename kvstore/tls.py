@@ -115,12 +115,24 @@ class _Token(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(details, request)
 
 
+class _TokenStream(grpc.aio.StreamStreamClientInterceptor):
+    """The same for bidirectional streams (the lookup stream)."""
+
+    def __init__(self, token: str) -> None:
+        self.md = ("authorization", f"Bearer {token}")
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):  # noqa: ANN001, ANN201
+        md = list(details.metadata or []) + [self.md]
+        details = details._replace(metadata=md)
+        return await continuation(details, request_iterator)
+
+
 def aio_channel(
     addr: str, tls: TlsConfig | None, options: list[tuple[str, object]], token: str = ""
 ) -> grpc.aio.Channel:
     """A channel to a kvstore server: mutual TLS when configured, and a bearer token on every
     call when given."""
-    icpt = [_Token(token)] if token else None
+    icpt = [_Token(token), _TokenStream(token)] if token else None
     if tls is None or not tls.enabled:
         return grpc.aio.insecure_channel(addr, options=options, interceptors=icpt)
     ca, cert, key = _read(tls)

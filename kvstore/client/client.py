@@ -33,6 +33,7 @@ import numpy as np
 
 from kvstore.client.buffers import byte_view
 from kvstore.client.locations import LocationCache
+from kvstore.client.streams import LookupStream
 from kvstore.config import ClientConfig, default_host_id
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, from_rpc_error
 from kvstore.extent import checksum
@@ -59,6 +60,8 @@ PRUNE_S = 30.0
 _TOUCH_BATCH_KEYS = 4096
 _MAX_TOUCH_KEYS = 1 << 16
 _TOUCH_DELAY_S = 0.05
+# Lookups of up to this many keys go on the lookup stream (kvstore.client.streams).
+_STREAM_MAX_KEYS = 4096
 
 
 class PutResult(NamedTuple):
@@ -81,6 +84,7 @@ class KVStoreClient:
         self.host_id = self.cfg.host_id or default_host_id()
         self._channel = aio_channel(self.cfg.meta, tls, GRPC_OPTIONS, token=self.cfg.token)
         self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
+        self._lookups = LookupStream(self._stub, lambda req: self._rpc(self._stub.Lookup, req), self.cfg.rpc_timeout_s)
         self._shm = ShmTransport()
         self._tcp = TcpTransport(
             self.cfg.io_timeout_s,
@@ -127,6 +131,7 @@ class KVStoreClient:
         with self._touch_lock:
             self._closing = True  # reads from other threads queue no more Touch calls
         await self._send_touches()  # what waits for its delay goes now
+        await self._lookups.close()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         await self._channel.close()
@@ -145,14 +150,22 @@ class KVStoreClient:
 
     async def lookup(self, keys: Sequence[bytes] | bytes) -> int:
         """How many leading keys are stored. No side effects (no lease, no recency update)."""
-        resp = await self._rpc(self._stub.Lookup, meta_pb2.LookupRequest(keys=pack_keys(keys)))
+        resp = await self._lookup(meta_pb2.LookupRequest(keys=pack_keys(keys)))
         return resp.hit_count
 
     async def exists(self, keys: Sequence[bytes] | bytes) -> list[bool]:
         """Per key, whether it is stored (not only the leading run)."""
         packed = pack_keys(keys)
-        resp = await self._rpc(self._stub.Lookup, meta_pb2.LookupRequest(keys=packed, per_key=True))
+        resp = await self._lookup(meta_pb2.LookupRequest(keys=packed, per_key=True))
         return [bool(x) for x in unpack(resp.exists, U8, "exists", len(packed) // KEY_BYTES)]
+
+    async def _lookup(self, request: meta_pb2.LookupRequest) -> meta_pb2.LookupResponse:
+        """On the lookup stream; an empty or very large batch as a unary call, so that its error
+        (or its size) is its own and not the stream's."""
+        n = len(request.keys) // KEY_BYTES
+        if n == 0 or n > _STREAM_MAX_KEYS:
+            return await self._rpc(self._stub.Lookup, request)
+        return await self._lookups.ask(request)
 
     async def get_into(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
         """Loads the longest stored prefix of ``keys`` into ``buffers`` (one per key).
@@ -228,6 +241,18 @@ class KVStoreClient:
         """Reads ``places`` (the known run of ``keys``) without a lease. Returns how many leading
         blocks were loaded; the first that failed (it moved on, or its daemon is gone) is
         forgotten, and the caller reads on from there through a lease."""
+        # A daemon that died or drains no longer serves its arena: its blocks are misses. Checked
+        # once per call, so that a read that started before a drain completes.
+        served: dict[str, bool] = {}
+        for i, p in enumerate(places):
+            if self._shm_ok(p):
+                path = p.segment.shm_path
+                if path not in served:
+                    served[path] = self._shm.arena(path, p.segment.capacity_bytes).served()
+                if not served[path]:
+                    log.info("event=arena_not_served daemon=%s", p.daemon.daemon_id)
+                    places = places[:i]
+                    break
         if not places:
             return 0
         keys = keys[: len(places)]
@@ -359,12 +384,8 @@ class KVStoreClient:
             p = places[i]
             if self._use_shm(p):
                 arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)
-                # Without a lease (direct) the arena must still be served (a dead daemon's blocks
-                # are misses) and the extent's header must name the block around the copy.
+                # Without a lease (direct) the extent's header must name the block around the copy.
                 named = (p.key or keys[i]) if direct else b""
-                if direct and not arena.served():
-                    log.info("event=arena_not_served daemon=%s", p.daemon.daemon_id)
-                    return i, []
                 if not ShmTransport.read(arena, p.offset, p.length, dests[i], p.checksum, named, p.gen):
                     if direct:
                         log.debug("event=stale_location transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)

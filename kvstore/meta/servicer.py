@@ -246,6 +246,9 @@ class MetaServicer:
             locations=locations_to_pb(locs, keys=self.authority is not None) if request.with_locations else None,
         )
 
+    # Each message of the stream is answered as a Lookup (kvstore.rpc._wrap_each).
+    LookupStream = Lookup
+
     def Acquire(self, request, context):
         ident = self._who(context, "tenant", "admin")
         res = self.index.acquire(self._keys(request.keys, ident), ttl_s=request.ttl_ms / 1000.0)

@@ -69,6 +69,11 @@ class MetaServiceStub:
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_meta__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.LookupStream = channel.stream_stream(
+                '/kvstore.v1.MetaService/LookupStream',
+                request_serializer=kvstore_dot_v1_dot_meta__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_meta__pb2.LookupResponse.FromString,
+                _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/kvstore.v1.MetaService/Acquire',
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.AcquireRequest.SerializeToString,
@@ -161,6 +166,15 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupStream(self, request_iterator, context):
+        """Lookups on one long-lived stream: each request is answered as Lookup would, in order. It
+        saves a call's set-up per lookup (about half its cost in Python gRPC). An error ends the
+        stream with that error's status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Acquire(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -248,6 +262,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
+                    request_deserializer=kvstore_dot_v1_dot_meta__pb2.LookupRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_meta__pb2.LookupResponse.SerializeToString,
+            ),
+            'LookupStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.LookupStream,
                     request_deserializer=kvstore_dot_v1_dot_meta__pb2.LookupRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_meta__pb2.LookupResponse.SerializeToString,
             ),
@@ -479,6 +498,33 @@ class MetaService:
             request,
             target,
             '/kvstore.v1.MetaService/Lookup',
+            kvstore_dot_v1_dot_meta__pb2.LookupRequest.SerializeToString,
+            kvstore_dot_v1_dot_meta__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.MetaService/LookupStream',
             kvstore_dot_v1_dot_meta__pb2.LookupRequest.SerializeToString,
             kvstore_dot_v1_dot_meta__pb2.LookupResponse.FromString,
             options,

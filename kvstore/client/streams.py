@@ -1,0 +1,117 @@
+"""Lookups on one long-lived gRPC stream (``MetaService.LookupStream``).
+
+A unary gRPC call in Python costs a call's set-up on both sides, about half of a lookup's round
+trip; a stream pays it once. Requests are pipelined: callers write in turn (their futures queued in
+the same order), the service answers in order, and one reader task hands each answer to the oldest
+waiting caller. An error from the service ends the stream: every caller waiting on it gets that
+error (typed), and the next lookup opens a new stream. A service without the method (older) is
+asked with unary calls from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any
+
+import grpc
+
+from kvstore.errors import KVStoreError, Unavailable, from_rpc_error
+
+log = logging.getLogger("kvstore.client")
+
+
+class LookupStream:
+    def __init__(self, stub: Any, unary: Any, timeout_s: float) -> None:
+        self._stub = stub
+        self._unary = unary  # fallback: (request) -> awaitable response, typed errors
+        self._timeout_s = timeout_s
+        self._call: Any = None
+        self._reader: asyncio.Task | None = None
+        self._waiting: deque[asyncio.Future] = deque()
+        self._write = asyncio.Lock()
+        self._unsupported = False
+
+    async def ask(self, request: Any) -> Any:
+        if self._unsupported:
+            return await self._unary(request)
+        loop = asyncio.get_running_loop()
+        async with self._write:
+            if self._call is None:
+                self._open()
+            call = self._call
+            fut = loop.create_future()
+            self._waiting.append(fut)
+            try:
+                await call.write(request)
+            except grpc.aio.AioRpcError as e:
+                self._reset(call, from_rpc_error(e))
+            except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+                self._reset(call, Unavailable(f"the lookup stream ended: {e}"))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self._timeout_s)
+        except asyncio.TimeoutError:
+            # Answers after this one would go to the wrong callers: start over.
+            self._reset(call, Unavailable(f"no lookup answer within {self._timeout_s:.1f} s"))
+            raise Unavailable(f"no lookup answer within {self._timeout_s:.1f} s") from None
+        except _Unimplemented:
+            self._unsupported = True
+            return await self._unary(request)
+
+    def _open(self) -> None:
+        self._call = self._stub.LookupStream()
+        self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+
+    async def _read(self, call: Any) -> None:
+        try:
+            while True:
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    raise Unavailable("the lookup stream ended")
+                while self._waiting:
+                    fut = self._waiting.popleft()
+                    if not fut.done():
+                        fut.set_result(resp)
+                        break
+                else:
+                    raise Unavailable("the lookup stream answered a request nobody asked")
+        except asyncio.CancelledError:
+            self._reset(call, Unavailable("the client closed"))
+            raise
+        except grpc.aio.AioRpcError as e:
+            err = _Unimplemented() if e.code() == grpc.StatusCode.UNIMPLEMENTED else from_rpc_error(e)
+            self._reset(call, err)
+        except KVStoreError as e:
+            self._reset(call, e)
+
+    def _reset(self, call: Any, err: Exception) -> None:
+        if call is not self._call or call is None:
+            return
+        self._call = None
+        call.cancel()
+        waiting, self._waiting = self._waiting, deque()
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(err)
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        self._reader = None
+        log.debug("event=lookup_stream_reset reason=%r", str(err))
+
+    async def close(self) -> None:
+        call, reader = self._call, self._reader
+        if call is None:
+            return
+        self._reset(call, Unavailable("the client closed"))
+        # Let the cancelled call and its reader finish before the channel closes.
+        if reader is not None:
+            await asyncio.gather(reader, return_exceptions=True)
+        try:
+            await call.code()
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+
+
+class _Unimplemented(Exception):
+    """The service has no LookupStream."""
