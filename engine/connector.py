@@ -54,12 +54,12 @@ class Ewma:
 
 @dataclass
 class ConnectorStats:
-    lookups: int = 0
+    lookups: int = 0  # loads tried (a get each; it finds how much is stored)
     tokens_loaded: int = 0
     blocks_loaded: int = 0
     load_failures: int = 0
     loads_skipped: int = 0  # recompute judged cheaper
-    short_loads: int = 0  # fewer blocks arrived than the lookup promised
+    short_loads: int = 0  # fewer blocks stored than the request could have loaded
     blocks_saved: int = 0
     saves_dropped: int = 0
     save_failures: int = 0
@@ -139,15 +139,16 @@ class StoreConnector:
         if self.policy == "never" or last <= first:
             return req.num_cached_tokens
         keys = list(req.keys[:last])
+        # No lookup first: the load itself finds how much of the prefix is stored (a get loads the
+        # longest stored run, reading known blocks without the metadata service), so the
+        # decision is made for the most that could be loaded; a smaller load is no more worth
+        # it (the fixed cost of a load weighs more on fewer blocks).
+        n = last - first
+        if not self.worth_loading(n):
+            self.stats.loads_skipped += 1
+            return req.num_cached_tokens
         try:
             self.stats.lookups += 1
-            hit = self.client.lookup(keys)
-            n = min(hit, last) - first
-            if n <= 0:
-                return req.num_cached_tokens
-            if not self.worth_loading(n):
-                self.stats.loads_skipped += 1
-                return req.num_cached_tokens
             t = time.perf_counter()
             if self.on_gpu:
                 got = self._load_staged(keys[first : first + n], list(req.block_ids[first : first + n]))
