@@ -92,6 +92,24 @@ def _start_mooncake(tmp: Path, plan: Plan, servers: contextlib.ExitStack) -> tup
 STARTERS = {"redis": _start_redis, "mooncake": _start_mooncake}
 
 
+def _certs(tmp: Path) -> dict[str, Any]:
+    """A CA and certificates for the server ("meta": `kvstore serve` is its metadata service and
+    its daemon) and the client."""
+    from kvstore.certs import make
+    from kvstore.tls import TlsConfig
+
+    d = tmp / "certs"
+    make(d, ("meta", "client"))
+    return {
+        n: TlsConfig(ca=str(d / "ca.pem"), cert=str(d / f"{n}.pem"), key=str(d / f"{n}.key"))
+        for n in ("meta", "client")
+    }
+
+
+def _tls_sets(t: Any) -> tuple[str, ...]:
+    return (f"tls.ca={t.ca}", f"tls.cert={t.cert}", f"tls.key={t.key}")
+
+
 def start_peer(peer: str, tmp: Path, plan: Plan, servers: contextlib.ExitStack) -> tuple[Any, dict]:
     """Starts one peer (its servers go on ``servers``); returns its runner and its entry in the
     report's table of systems. Raises :class:`SystemFailed`, naming the peer and why, when it
@@ -134,8 +152,21 @@ def run(
                 systems[f"kvstore-{t}"] = {
                     "status": "ok",
                     "version": f"kvstore {importlib.metadata.version('kvstore')}",
-                    "how": f"`kvstore serve` on 127.0.0.1, SyncKVStoreClient(transport={t!r})",
+                    "how": f"`kvstore serve` on 127.0.0.1, SyncKVStoreClient(transport={t!r}); "
+                    "capability tickets on (the default)",
                 }
+            # The same over mutual TLS (every gRPC call and data-port connection), tickets on.
+            tls = _certs(tmp)
+            kv_tls = servers.enter_context(
+                KVStoreServer(tmp, "1GiB" if plan.batch_bytes > (64 << 20) else "512MiB", _tls_sets(tls["meta"]), "tls")
+            )
+            runners.append(Runner(KVStorePeer(kv_tls.meta, "tcp", tls["client"], name="kvstore-tls")))
+            systems["kvstore-tls"] = {
+                "status": "ok",
+                "version": f"kvstore {importlib.metadata.version('kvstore')}",
+                "how": "a second `kvstore serve` with mutual TLS (certificates from `kvstore certs`) and tickets, "
+                "SyncKVStoreClient(transport='tcp') with a client certificate",
+            }
             for peer in PEERS:
                 if peer in skip:
                     systems[peer] = {"status": "skipped", "reason": f"left out with --skip {peer}"}

@@ -17,7 +17,7 @@ from kvstore import KeySpace, ModelFingerprint
 
 SEED = 20261201
 SIZES = {"64KiB": 64 << 10, "512KiB": 512 << 10, "2MiB": 2 << 20}
-KVSTORE = ("kvstore-shm", "kvstore-tcp")
+KVSTORE = ("kvstore-shm", "kvstore-tcp", "kvstore-tls")
 PEERS = ("redis", "mooncake")
 FINGERPRINT = ModelFingerprint("bench-peers", "bf16", 32, 8, 128)
 

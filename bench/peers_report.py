@@ -18,12 +18,20 @@ METRICS = (
     ("get_p50_ms", "get p50", "ms", False),
     ("get_p99_ms", "get p99", "ms", False),
 )
-LABELS = {"kvstore-shm": "kvstore shm", "kvstore-tcp": "kvstore tcp", "redis": "Redis", "mooncake": "Mooncake"}
+LABELS = {
+    "kvstore-shm": "kvstore shm",
+    "kvstore-tcp": "kvstore tcp",
+    "kvstore-tls": "kvstore tcp+mTLS",
+    "redis": "Redis",
+    "mooncake": "Mooncake",
+}
 # Targets (field: kvstore system, metric, peer, size, target, "<=" or ">="): ratios kvstore / peer.
 TARGETS = {
     "get_p50_64k_over_redis": ("kvstore-shm", "get_p50_ms", "redis", "64KiB", 1.0, "<="),
     "get_p50_64k_tcp_over_mooncake": ("kvstore-tcp", "get_p50_ms", "mooncake", "64KiB", 1.5, "<="),
     "lookup_1caller_over_redis": ("kvstore-shm", "keys_per_s", "redis", "", 1.0, ">="),
+    # kvstore over mutual TLS against the same over plain TCP (tickets on in both).
+    "tls_get_2m_over_plain": ("kvstore-tls", "get_gbps", "kvstore-tcp", "2MiB", 0.7, ">="),
 }
 
 

@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 class KVStoreServer:
     """``kvstore serve`` (metadata service + daemon) on loopback ephemeral ports."""
 
-    def __init__(self, tmp: Path, dram: str) -> None:
-        self.log_path = tmp / "kvstore-serve.log"
-        args = ["serve", "--listen", "127.0.0.1:0", "--dram", dram, "--data-dir", str(tmp / "kvstore-data"),
-                "--log-level", "warning"]  # fmt: skip
+    def __init__(self, tmp: Path, dram: str, sets: tuple[str, ...] = (), name: str = "kvstore") -> None:
+        self.log_path = tmp / f"{name}-serve.log"
+        args = ["serve", "--listen", "127.0.0.1:0", "--dram", dram, "--data-dir", str(tmp / f"{name}-data"),
+                "--log-level", "warning", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
         with open(self.log_path, "ab") as log:
             try:
                 self.child = procs.start(args, name="kvstore serve", timeout=60, stderr=log, cwd=REPO)

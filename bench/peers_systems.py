@@ -17,13 +17,13 @@ class KVStorePeer:
     locations the client knows skip the metadata service (the default); a second client without a
     location cache measures the leased path too (``get_one_leased``)."""
 
-    def __init__(self, meta: str, transport: str) -> None:
+    def __init__(self, meta: str, transport: str, tls: Any = None, name: str = "") -> None:
         from kvstore import SyncKVStoreClient
         from kvstore.config import ClientConfig
 
-        self.name = f"kvstore-{transport}"
-        self.client = SyncKVStoreClient(meta, ClientConfig(transport=transport))
-        self.leased = SyncKVStoreClient(meta, ClientConfig(transport=transport, location_cache=0))
+        self.name = name or f"kvstore-{transport}"
+        self.client = SyncKVStoreClient(meta, ClientConfig(transport=transport), tls=tls)
+        self.leased = SyncKVStoreClient(meta, ClientConfig(transport=transport, location_cache=0), tls=tls)
 
     def native(self, keys: list[bytes]) -> bytes:
         return b"".join(keys)  # the client takes packed keys (N x 16 bytes) as well as a list
