@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,11 @@ from kvstore import (  # noqa: E402
     procs,  # noqa: E402
 )
 from kvstore.config import ClientConfig  # noqa: E402
+from kvstore.daemon.dataport import READ_AHEAD  # noqa: E402
+
+# Reads kvstore keeps in flight for one large get from SSD: READ_AHEAD per data-port connection,
+# one connection per client I/O thread. The raw baseline reads with as many.
+INFLIGHT = READ_AHEAD * ClientConfig().io_threads
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen, dict]:
@@ -64,11 +70,14 @@ def aligned(size: int) -> np.ndarray:
     return a
 
 
-def raw_direct(path: Path, blocks: list[np.ndarray]) -> tuple[float, float]:
+def raw_direct(path: Path, blocks: list[np.ndarray], inflight: int = 1) -> tuple[float, float, float]:
     """Seconds for a sequential O_DIRECT write and read of ``blocks`` (no fsync: the same
-    durability as the daemon's default ``fast`` mode, whose direct writes also skip the page cache)."""
+    durability as the daemon's default ``fast`` mode, whose direct writes also skip the page
+    cache), and for the same reads with ``inflight`` of them in flight (threads, each with its
+    own aligned buffer), as many as kvstore keeps in flight."""
     size = blocks[0].size
     buf = aligned(size)
+    bufs = [aligned(size) for _ in range(inflight)]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     try:
         os.posix_fallocate(fd, 0, size * len(blocks))
@@ -81,10 +90,19 @@ def raw_direct(path: Path, blocks: list[np.ndarray]) -> tuple[float, float]:
         for i in range(len(blocks)):
             os.preadv(fd, [buf], i * size)
         t_read = time.perf_counter() - t
+
+        def lane(k: int) -> None:  # reads k, k + inflight, ... into its own buffer
+            for i in range(k, len(blocks), inflight):
+                os.preadv(fd, [bufs[k]], i * size)
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(inflight) as ex:
+            list(ex.map(lane, range(inflight)))
+        t_par = time.perf_counter() - t
     finally:
         os.close(fd)
         os.unlink(path)
-    return t_write, t_read
+    return t_write, t_read, t_par
 
 
 def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bool = True) -> dict:
@@ -98,12 +116,13 @@ def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bo
     dests = [np.ones(b.size, np.uint8) for b in blocks]
     ks = KeySpace(ModelFingerprint("bench-ssd", "bf16", 32, 8, 128))
     out: dict = {"block_bytes": blocks[0].size, "blocks": n, "bytes": n * blocks[0].size}
-    samples: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read", "ssd_put", "ssd_get")}
+    samples: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read_seq", "raw_read", "ssd_put", "ssd_get")}
+    out["raw_inflight"] = INFLIGHT
     try:
         with SyncKVStoreClient(minfo["meta"], ClientConfig(rpc_timeout_s=120, io_timeout_s=120)) as c:
             for rep in tqdm(range(reps + 1), desc="ssd throughput", unit="rep"):
                 keys = ks.block_keys(np.arange(rep * n * 16, (rep + 1) * n * 16))
-                tw, tr = raw_direct(work / "raw.bin", blocks)
+                tw, tr, tp = raw_direct(work / "raw.bin", blocks, INFLIGHT)
                 t = time.perf_counter()
                 res = c.put(keys, blocks)
                 t_put = time.perf_counter() - t
@@ -118,7 +137,8 @@ def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bo
                 if rep:
                     nbytes = out["bytes"]
                     samples["raw_write"].append(nbytes / tw / 1e9)
-                    samples["raw_read"].append(nbytes / tr / 1e9)
+                    samples["raw_read_seq"].append(nbytes / tr / 1e9)
+                    samples["raw_read"].append(nbytes / tp / 1e9)
                     samples["ssd_put"].append(nbytes / t_put / 1e9)
                     samples["ssd_get"].append(nbytes / t_get / 1e9)
     finally:
@@ -289,14 +309,19 @@ def render(r: dict) -> str:
         f"- Date: {r['date']}",
         f"- Machine: {r['machine']}; filesystem: `{r['filesystem']}`",
         "- Setup: a metadata service and a daemon whose DRAM segment is smaller than a block, so every block is"
-        " written to and read from its SSD segment (O_DIRECT, checksum verified by the daemon on read and by the"
-        " client after the transfer). Baseline: sequential O_DIRECT write and read of the same bytes in"
-        " the same block size, same filesystem, same run. Medians of repetitions.",
+        " written to and read from its SSD segment with O_DIRECT. The client is on the daemon's host: gets come"
+        " through the daemon's staging region (the daemon reads each block into shared memory and verifies it"
+        " there, the client copies it once; `kvstore/daemon/staging.py`). Baselines, same bytes, block size,"
+        " filesystem and run: a sequential O_DIRECT write; O_DIRECT reads with "
+        f"{t.get('raw_inflight', 1)} in flight (threads), as many as kvstore keeps (`READ_AHEAD` per data-port"
+        " connection x the client's I/O threads), and the same reads one at a time. Medians of repetitions.",
         "",
-        "| block | bytes | raw write GB/s | kvstore put GB/s | put/raw | raw read GB/s | kvstore get GB/s | get/raw |",
-        "|---|---|---|---|---|---|---|---|",
+        "| block | bytes | raw write GB/s | kvstore put GB/s | put/raw | raw read GB/s "
+        f"({t.get('raw_inflight', 1)} in flight) | raw read GB/s (1 in flight) | kvstore get GB/s | get/raw |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| {t['block_bytes'] // 1024} KiB | {t['bytes'] / 2**20:.0f} MiB | {t['raw_write_gbps']:.2f} | {t['ssd_put_gbps']:.2f} "
-        f"| {t['ssd_write_over_raw']:.2f} | {t['raw_read_gbps']:.2f} | {t['ssd_get_gbps']:.2f} | **{t['ssd_read_over_raw']:.2f}** |",
+        f"| {t['ssd_write_over_raw']:.2f} | {t['raw_read_gbps']:.2f} | {t.get('raw_read_seq_gbps', float('nan')):.2f} "
+        f"| {t['ssd_get_gbps']:.2f} | **{t['ssd_read_over_raw']:.2f}** |",
         "",
         f"Buffered I/O instead (`daemon.ssd_direct_io=false`, same run): put {r['throughput_buffered']['ssd_put_gbps']:.2f} GB/s,"
         f" get {r['throughput_buffered']['ssd_get_gbps']:.2f} GB/s (gets are then served from the page cache, memory that"
@@ -319,7 +344,7 @@ def render(r: dict) -> str:
         f" replay, header and checksum of every block) in **{rs['ready_s']:.2f} s**; all blocks served again after"
         f" **{rs['all_served_s']:.2f} s**.",
         "",
-        f"Target `ssd_read_over_raw >= 0.7`: measured {r['ssd_read_over_raw']:.2f}.",
+        f"Target `ssd_read_over_raw >= 0.8` (raw with equal reads in flight): measured {r['ssd_read_over_raw']:.2f}.",
     ]
     return "\n".join(lines)
 

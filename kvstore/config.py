@@ -91,6 +91,11 @@ class DaemonConfig:
     ssd_compress: str = "auto"
     # On start, verify every recovered block's payload checksum (not only its header).
     ssd_verify_on_start: bool = True
+    # Shared memory that SSD blocks are read into for same-host clients (kvstore.daemon.staging):
+    # this many bytes in all (0: none, SSD reads always stream over the data port), one slice per
+    # data-port connection that uses it.
+    staging_bytes: int = 64 << 20
+    staging_slices: int = 4
     # Prometheus /metrics over HTTP: -1 = off, 0 = any free port (printed in the READY line).
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
@@ -309,6 +314,8 @@ def validate(cfg: Config) -> None:
     for key in ("data_max_connections", "data_idle_timeout_s", "max_block_bytes"):
         positive("daemon", key)
     positive("daemon", "ssd_bytes", allow_zero=True)
+    positive("daemon", "staging_bytes", allow_zero=True)
+    positive("daemon", "staging_slices", allow_zero=True)
     for key in ("data_port", "control_port"):
         v = getattr(d, key)
         if not 0 <= v <= 65535:

@@ -272,12 +272,14 @@ class DaemonCollector:
         )  # fmt: skip
         by.add_metric([d.daemon_id, "tcp", "read"], dp.get("read_bytes", 0))
         by.add_metric([d.daemon_id, "tcp", "write"], dp.get("write_bytes", 0))
+        by.add_metric([d.daemon_id, "staged", "read"], dp.get("staged_bytes", 0))
         blocks = CounterMetricFamily(
             "kvstore_daemon_blocks_total", "Blocks the daemon served or took, by transport and direction",
             labels=["daemon", "transport", "direction"],
         )  # fmt: skip
         blocks.add_metric([d.daemon_id, "tcp", "read"], dp.get("reads", 0))
         blocks.add_metric([d.daemon_id, "tcp", "write"], dp.get("writes", 0))
+        blocks.add_metric([d.daemon_id, "staged", "read"], dp.get("staged", 0))
         yield by
         yield blocks
         yield _counter(

@@ -36,11 +36,11 @@ from kvstore.client.locations import LocationCache
 from kvstore.client.streams import LookupStream
 from kvstore.config import ClientConfig, default_host_id
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, from_rpc_error
-from kvstore.extent import checksum
+from kvstore.extent import SSD_ALIGN, checksum, extent_size
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.rpc import GRPC_OPTIONS
 from kvstore.tls import TlsConfig, aio_channel, client_context
-from kvstore.transport.frames import DIRECT
+from kvstore.transport.frames import DIRECT, STAGED
 from kvstore.transport.shm import ShmTransport
 from kvstore.transport.tcp import TcpTransport
 from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
@@ -60,6 +60,24 @@ PRUNE_S = 30.0
 _TOUCH_BATCH_KEYS = 4096
 _MAX_TOUCH_KEYS = 1 << 16
 _TOUCH_DELAY_S = 0.05
+# A staged request's bytes before the daemon said what its slices hold.
+_FIRST_SLICE_BYTES = 4 << 20
+
+
+def _fit(places: list[Placement], lo: int, hi: int, budget: int) -> list[tuple[int, int]]:
+    """Index ranges of ``places[lo:hi]`` whose extents add up to at most ``budget`` bytes (one
+    block at least per range)."""
+    out, start, acc = [], lo, 0
+    for k in range(lo, hi):
+        size = extent_size(places[k].length, SSD_ALIGN)
+        if k > start and acc + size > budget:
+            out.append((start, k))
+            start, acc = k, 0
+        acc += size
+    out.append((start, hi))
+    return out
+
+
 # Lookups of up to this many keys go on the lookup stream (kvstore.client.streams).
 _STREAM_MAX_KEYS = 4096
 
@@ -104,6 +122,8 @@ class KVStoreClient:
         if self.cfg.location_cache < 0:
             raise InvalidArgument(f"client.location_cache must not be negative, got {self.cfg.location_cache}")
         self._known = LocationCache(self.cfg.location_cache)
+        # Per data port: the size of its staging slices, as it last said (kvstore.daemon.staging).
+        self._slice_bytes: dict[str, int] = {}
         # Chains read from known locations, for the next Touch (one in flight at a time).
         self._loop = asyncio.get_running_loop()
         self._touch_lock = threading.Lock()
@@ -273,6 +293,26 @@ class KVStoreClient:
             return await self._loop.run_in_executor(self._pool, self._read_known, keys, dests, places)
         return self._read_known(keys, dests, places)
 
+    def _staging_of(self, p: Placement) -> Any:
+        """For a daemon on this host whose shared memory this process may map: a function that
+        maps its staging region (kvstore.daemon.staging), only at the path next to its DRAM
+        segment, so that no answer can make this client map another file. None: stream instead."""
+        if self.cfg.transport != "auto" or p.daemon.host_id != self.host_id:
+            return None
+        dram = next((s for s in p.daemon.segments if s.tier == 1 and s.shm_path.endswith("-dram")), None)
+        if dram is None or not self._shm.usable(dram.shm_path, dram.capacity_bytes):
+            return None
+        expected = dram.shm_path[: -len("-dram")] + "-staging"
+        addr = p.daemon.data_addr
+
+        def region(path: str, size: int, slice_bytes: int) -> Any:
+            if path != expected:
+                raise ValueError(f"staging region {path!r} is not the daemon's ({expected!r})")
+            self._slice_bytes[addr] = slice_bytes
+            return self._shm.arena(path, size)
+
+        return region
+
     def _shm_ok(self, p: Placement) -> bool:
         try:
             return self._use_shm(p)
@@ -410,16 +450,27 @@ class KVStoreClient:
                 )
                 for k in range(i, j)
             ]
-            try:
-                ok = self._tcp.read(p.daemon.data_addr, items, dests[i:j], DIRECT if direct else 0)
-            except (Unavailable, InvalidArgument) as e:
-                log.info("event=daemon_unreachable daemon=%s reason=%r", p.daemon.daemon_id, str(e))
-                return i, []
-            for k, good in enumerate(ok):
-                if not good:
-                    level = logging.DEBUG if direct else logging.WARNING
-                    log.log(level, "event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, i + k)
-                    return i + k, [i + k]
+            flags = DIRECT if direct else 0
+            staging = self._staging_of(p)
+            # Staged reads go in requests that fit the daemon's staging slice (it is reused only
+            # between requests); anything beyond would stream.
+            parts = [(i, j)]
+            if staging is not None:
+                flags |= STAGED
+                parts = _fit(places, i, j, self._slice_bytes.get(p.daemon.data_addr, _FIRST_SLICE_BYTES))
+            for a, b in parts:
+                try:
+                    ok = self._tcp.read(p.daemon.data_addr, items[a - i : b - i], dests[a:b], flags, staging)
+                except (Unavailable, InvalidArgument) as e:
+                    log.info("event=daemon_unreachable daemon=%s reason=%r", p.daemon.daemon_id, str(e))
+                    return a, []
+                for k, good in enumerate(ok):
+                    if not good:
+                        level = logging.DEBUG if direct else logging.WARNING
+                        log.log(
+                            level, "event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, a + k
+                        )
+                        return a + k, [a + k]
             i = j
         return hi, []
 

@@ -33,13 +33,16 @@ import numpy as np
 from kvstore import tickets
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.ssd import SsdSegment
-from kvstore.extent import HEADER_SIZE, Sealer, checksum
+from kvstore.daemon.staging import Staging
+from kvstore.extent import HEADER_SIZE, SSD_ALIGN, Sealer, checksum
 from kvstore.transport.frames import (
     DIRECT,
     ENTRY,
     MAGIC,
     REQ_HEAD,
     RESP_HEAD,
+    STAGED,
+    STAGED_AT,
     EntryStatus,
     FrameError,
     FrameStatus,
@@ -104,6 +107,7 @@ class DataPort:
         ssl_context: ssl.SSLContext | None = None,
         ticket_key: bytes = b"",
         ticket_skew_s: float = tickets.SKEW_S,
+        staging: Staging | None = None,
     ) -> None:
         self._segments = segments
         # Capability tickets (kvstore.tickets): required from the start when there is a key;
@@ -124,9 +128,11 @@ class DataPort:
         self.counters = {
             "reads": 0, "read_bytes": 0, "writes": 0, "write_bytes": 0, "bad_frames": 0,
             "refused_connections": 0, "idle_closed": 0, "tls_refused": 0, "ticket_refused": 0,
+            "staged": 0, "staged_bytes": 0,
         }  # fmt: skip
         self.active = 0  # requests being served (a drain waits for 0)
         self.draining = False  # reads without a lease are misses (see frames.DIRECT)
+        self.staging = staging  # where same-host readers get SSD blocks (frames.STAGED)
         self._local = threading.local()
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dataport-io")
         self._thread = threading.Thread(target=self._accept_loop, name="dataport-accept", daemon=True)
@@ -226,6 +232,10 @@ class DataPort:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            index = getattr(self._local, "slice", None)
+            if index is not None and self.staging is not None:
+                self._local.slice = None
+                self.staging.give(index)
 
     def _check(self, entries: list[tuple], op: int) -> list:
         key = self.ticket_key if self.require_tickets else b""
@@ -236,9 +246,9 @@ class DataPort:
             raise
 
     def _read(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list, flags: int) -> None:
-        conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0))
         if flags & DIRECT and self.draining:
             # Reads without a lease, once this daemon's blocks have left the index: misses.
+            conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0))
             conn.sendall(bytes([EntryStatus.MISMATCH]) * len(entries))
             return
         sent = 0
@@ -250,7 +260,11 @@ class DataPort:
             i for i, seg in enumerate(arenas) if isinstance(seg, SsdSegment) and seg.holds(*_ssd_ref(entries[i]))
         ]
         ssd_set = set(ssd_idx)
-        longest = max((entries[i][4] for i in ssd_idx), default=0)
+        # A same-host reader (STAGED) gets SSD blocks in the staging region, as many as fit.
+        slots = self._slots(entries, arenas, ssd_idx) if flags & STAGED else {}
+        msg = self.staging.message if slots else b""  # type: ignore[union-attr]
+        conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), len(msg)) + msg)
+        longest = max((entries[i][4] for i in ssd_idx if i not in slots), default=0)
         sealer = self._sealer
         ring = self._ring(SsdSegment.staging_bytes(longest) if longest else 0, READ_AHEAD + 1)
         next_ssd = 0
@@ -260,7 +274,9 @@ class DataPort:
             while next_ssd < len(ssd_idx) and next_ssd < limit:
                 i = ssd_idx[next_ssd]
                 key, _s, _e, off, length, _c, gen, _t = entries[i]
-                staging = ring[next_ssd % len(ring)]
+                staging = slots.get(i)
+                if staging is None:
+                    staging = ring[next_ssd % len(ring)]
                 ahead[i] = self._io.submit(arenas[i].read, off, key, length, None, staging, gen)
                 next_ssd += 1
 
@@ -278,12 +294,43 @@ class DataPort:
                 ok = h is not None and h.key == key and h.length == length and h.gen == gen
                 status = EntryStatus.OK if ok else EntryStatus.MISMATCH
                 payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length] if ok else None
+            if status == EntryStatus.OK and i in slots and self._inside(payload, slots[i]):
+                conn.sendall(STAGED_AT.pack(EntryStatus.STAGED, self.staging.offset_of(payload)))  # type: ignore[union-attr]
+                self.counters["staged"] += 1
+                self.counters["staged_bytes"] += length
+                continue
             conn.sendall(bytes((status,)))
             if status == EntryStatus.OK:
                 conn.sendall(payload)
                 sent += length
         self.counters["reads"] += len(entries)
         self.counters["read_bytes"] += sent
+
+    def _slots(self, entries: list[tuple], arenas: list, ssd_idx: list[int]) -> dict[int, np.ndarray]:
+        """Places in this connection's staging slice for the SSD entries that fit, in order."""
+        if self.staging is None or not ssd_idx:
+            return {}
+        index = getattr(self._local, "slice", None)
+        if index is None:
+            index = self._local.slice = self.staging.take()
+            if index is None:
+                return {}
+        region = self.staging.view(index)
+        slots, pos = {}, 0
+        for i in ssd_idx:
+            _k, _s, _e, off, length, _c, _g, _t = entries[i]
+            size = arenas[i].stage_bytes(off, length)
+            size += -size % SSD_ALIGN
+            if pos + size > region.size:
+                break
+            slots[i] = region[pos : pos + size]
+            pos += size
+        return slots
+
+    @staticmethod
+    def _inside(payload: np.ndarray, slot: np.ndarray) -> bool:
+        start = payload.ctypes.data - slot.ctypes.data
+        return 0 <= start and start + payload.size <= slot.size
 
     def _ring(self, size: int, depth: int) -> list[np.ndarray]:
         """Per-connection page-aligned staging buffers for direct reads, touched once, reused."""

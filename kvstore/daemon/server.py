@@ -39,6 +39,7 @@ from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
 from kvstore.daemon.operations import SegmentOps, dram_inventory, inventory_pb
 from kvstore.daemon.ssd import SsdSegment
+from kvstore.daemon.staging import Staging
 from kvstore.errors import PermissionDenied
 from kvstore.extent import Sealer
 from kvstore.keys import KEY_BYTES
@@ -128,6 +129,13 @@ class CacheDaemon:
                 sealer=self.sealer,
             )
             self.segments[SSD_SEGMENT] = self.ssd
+        self.staging: Staging | None = None
+        if self.ssd is not None and cfg.staging_bytes > 0 and cfg.staging_slices > 0:
+            self.staging = Staging(
+                Path(cfg.shm_dir) / f"kvstore-{self.daemon_id}-staging",
+                cfg.staging_slices,
+                cfg.staging_bytes // cfg.staging_slices,
+            )
         self.dataport = DataPort(
             cfg.host,
             cfg.data_port,
@@ -139,6 +147,7 @@ class CacheDaemon:
             ssl_context=server_context(tls) if tls is not None and tls.enabled else None,
             ticket_key=self.ticket_key,
             ticket_skew_s=cfg.ticket_skew_s,
+            staging=self.staging,
         )
         self.control = _Control(self)  # served over gRPC; called directly by an in-process service
         self.control_port = 0
@@ -396,6 +405,8 @@ class CacheDaemon:
             ("metrics", self.metrics.stop),
             ("dram", self.dram.close),
         ]
+        if self.staging is not None:
+            parts.append(("staging", self.staging.close))
         if self.ssd is not None:
             parts.append(("ssd", self.ssd.close))
         for name, step in parts:

@@ -305,7 +305,11 @@ class SsdSegment:
             self._check_range(offset, reserved)
         except ValueError:
             return ReadStatus(False, "mismatch"), None
-        if staging is not None and staging.size >= reserved + length and staging.ctypes.data % SSD_ALIGN == 0:
+        if (
+            staging is not None
+            and staging.size >= self.stage_bytes(offset, length)
+            and staging.ctypes.data % SSD_ALIGN == 0
+        ):
             buf = staging
         else:
             buf = self._buf.get(reserved + length)  # extent, then room for a decompressed copy
@@ -319,6 +323,8 @@ class SsdSegment:
         if gen is not None and h.gen != gen:
             return ReadStatus(False, "mismatch"), None
         stored = buf[HEADER_SIZE : HEADER_SIZE + h.length]
+        if out is None and h.flags and buf.size < reserved + length:
+            out = np.empty(length, np.uint8)  # stored compressed after all: no room to inflate in place
         dest = out if out is not None else (buf[reserved : reserved + length] if h.flags else stored)
         if h.flags:
             if not decompress(memoryview(stored), h.flags, dest):
@@ -343,6 +349,13 @@ class SsdSegment:
         bytes: a read is worth a buffer only then."""
         b = self._live.get(offset)
         return b is not None and b.key == key and b.length == length and b.gen == gen
+
+    def stage_bytes(self, offset: int, length: int) -> int:
+        """What :meth:`read` needs of a staging buffer for the block at ``offset``: its extent,
+        plus room to decompress it unless it is stored raw."""
+        reserved = extent_size(length, SSD_ALIGN)
+        b = self._live.get(offset)
+        return reserved if b is not None and b.size >= reserved else reserved + length
 
     @staticmethod
     def staging_bytes(length: int) -> int:

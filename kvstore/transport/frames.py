@@ -17,7 +17,10 @@ connection is closed: nothing of that request was applied. ``offset`` is the ext
 (its header); payload bytes live at ``offset + 64``. ``gen`` is the placement's generation: a
 READ is served only if the extent holds that generation of the key; a WRITE lands as a pending
 block of that generation, which only the metadata service's commit makes a stored one.
-A READ head may carry the flag ``DIRECT``: the reader holds no lease, it reads from a location
+A READ head may carry the flag ``STAGED`` (the reader is on the daemon's host and maps its
+staging region, :mod:`kvstore.daemon.staging`): SSD entries may then be answered with status
+``STAGED`` and the u64 offset of their verified payload in that region instead of the payload;
+the response head's message names the region ("path\nsize\nslice bytes"). A READ head may carry the flag ``DIRECT``: the reader holds no lease, it reads from a location
 it learned earlier (:mod:`kvstore.client.locations`); a draining daemon, whose blocks have left
 the index, answers such entries as a mismatch (a miss) and serves only leased reads.
 ``expiry`` and ``mac`` are the entry's capability ticket from the metadata service
@@ -38,6 +41,8 @@ ENTRY = struct.Struct("<16sIIQQQQ16s")
 RESP_HEAD = struct.Struct("<4sBBHQII")
 MAX_ENTRIES = 65536
 DIRECT = 1  # head flag of a READ without a lease
+STAGED = 2  # head flag of a READ from the daemon's host: SSD blocks may come staged in shared memory
+STAGED_AT = struct.Struct("<BQ")  # a staged entry: status STAGED | offset in the staging region
 MAX_MESSAGE = 4096
 
 
@@ -65,6 +70,7 @@ class EntryStatus(IntEnum):
     MISMATCH = 1  # the extent no longer holds this key (evicted, overwritten)
     CHECKSUM = 2  # bytes do not match their checksum (written: as sent; read: as stored)
     IO_ERROR = 3
+    STAGED = 4  # read and verified into the staging region: its offset follows, not its bytes
 
 
 def check_head(head: bytes) -> tuple[int, int, int]:

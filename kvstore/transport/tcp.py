@@ -13,7 +13,8 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from kvstore.transport.frames import (
     MAGIC,
     REQ_HEAD,
     RESP_HEAD,
+    STAGED_AT,
     VERSION,
     EntryStatus,
     FrameStatus,
@@ -122,7 +124,7 @@ class TcpTransport:
             if count != len(entries):
                 raise Unavailable(f"data port {addr} answered {count} statuses for {len(entries)} entries")
             if op == Op.READ:
-                return s, b""
+                return s, msg
             statuses = recv_bytes(s, count) if count else b""
             if statuses is None:
                 raise Unavailable(f"data port {addr} closed the connection")
@@ -134,21 +136,47 @@ class TcpTransport:
             s.close()
             raise
 
-    def read(self, addr: str, items: Sequence[tuple], dests: Sequence[np.ndarray], flags: int = 0) -> list[bool]:
+    def read(
+        self,
+        addr: str,
+        items: Sequence[tuple],
+        dests: Sequence[np.ndarray],
+        flags: int = 0,
+        staging: Callable[[str, int, int], Any] | None = None,
+    ) -> list[bool]:
         """Reads ``items`` (key, segment_id, offset, length, checksum, gen, ticket) into ``dests``
-        (``flags``: the head's, e.g. ``frames.DIRECT``).
+        (``flags``: the head's, e.g. ``frames.DIRECT``; with ``frames.STAGED``, ``staging(path,
+        size, slice_bytes)`` maps the daemon's staging region, and blocks the daemon staged there are copied
+        from it: verified in place by the daemon, not checksummed again).
 
         Returns per item whether its bytes arrived and match the checksum. Raises Unavailable
         if the daemon cannot be reached (the caller turns that into misses).
         """
         entries = [_entry(*it) for it in items]
-        s, _ = self._request(addr, Op.READ, entries, flags=flags)
+        s, msg = self._request(addr, Op.READ, entries, flags=flags)
+        region = None
+        if msg and staging is not None:
+            path, size, slice_bytes = (msg.decode(errors="replace").split("\n") + ["", "", ""])[:3]
+            try:
+                region = staging(path, int(size), int(slice_bytes))
+            except (OSError, ValueError) as e:
+                s.close()
+                raise Unavailable(f"data port {addr}: cannot map its staging region {path}: {e}") from None
         ok: list[bool] = []
         status = bytearray(1)
+        at = bytearray(STAGED_AT.size - 1)
         try:
-            for (_k, _s, _o, _n, c, _g, _t), dest in zip(items, dests):
+            for (_k, _s, _o, n, c, _g, _t), dest in zip(items, dests):
                 if not recv_exact(s, memoryview(status)):
                     raise ConnectionError("data port closed mid-response")
+                if status[0] == EntryStatus.STAGED:
+                    recv_exact(s, memoryview(at))
+                    off = int.from_bytes(at, "little")
+                    if region is None or off + n > region.size:
+                        raise ConnectionError("data port staged a block outside its staging region")
+                    np.copyto(dest, region.array[off : off + n])
+                    ok.append(True)
+                    continue
                 if status[0] != EntryStatus.OK:
                     ok.append(False)
                     continue

@@ -1,0 +1,98 @@
+"""SSD reads through shared memory for a client on the daemon's host (kvstore.daemon.staging),
+with real processes: the bytes are right, they came staged (the daemon's counters say so), a
+staging slice too small for a request streams the rest, other hosts and forced TCP stream, and
+it all holds after a daemon restart."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+from conftest import wait_until
+
+from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
+from kvstore.config import ClientConfig
+
+KS = KeySpace(ModelFingerprint("ssd-staging", "bf16", 2, 2, 64))
+SIZE = 256 << 10
+DAEMON = ["daemon.ssd_bytes=64MiB", "daemon.metrics_port=0"]
+
+
+def content(key: bytes) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+def staged(port: int) -> float:
+    """Blocks the daemon handed out through its staging region, from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvstore_daemon_blocks_total{") and 'transport="staged"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def read(meta: str, keys: list[bytes], **cfg) -> int:  # noqa: ANN003
+    with SyncKVStoreClient(meta, ClientConfig(location_cache=0, **cfg)) as c:
+        out = [np.empty(SIZE, np.uint8) for _ in keys]
+        n = c.get_into(keys, out)
+        for k, o in zip(keys[:n], out[:n]):
+            assert np.array_equal(o, content(k)), "wrong bytes served"
+        return n
+
+
+def on_ssd(meta: str) -> int:
+    with SyncKVStoreClient(meta) as c:
+        return {s.tier: s.blocks for s in c.stats().segments}.get(2, 0)
+
+
+def test_same_host_ssd_reads_come_staged_and_survive_a_daemon_restart(cluster):
+    cluster.start_meta()
+    d = cluster.start_daemon(*DAEMON, dram="1MiB", name="staging")
+    keys = KS.block_keys(np.arange(16 * 24))
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.put(keys, [content(k) for k in keys]).stored == 24
+    assert on_ssd(cluster.meta_addr) >= 20  # 1 MiB of DRAM: nearly all of it went to SSD
+    port = d.info["metrics_port"]
+    before = staged(port)
+    assert read(cluster.meta_addr, keys) == 24
+    assert staged(port) - before >= 12  # SSD blocks came through shared memory (as many as a slice holds)
+    # Forced TCP (as from another host): streamed, never staged.
+    before = staged(port)
+    assert read(cluster.meta_addr, keys, transport="tcp") == 24
+    assert staged(port) == before
+    # A restarted daemon (SIGKILL: its staging region is made anew) stages again.
+    d.kill()
+    d = cluster.start_daemon(*DAEMON, dram="1MiB", name="staging")
+    wait_until(lambda: on_ssd(cluster.meta_addr) >= 16, timeout=30)
+    port = d.info["metrics_port"]
+    assert read(cluster.meta_addr, keys) == 24
+    assert staged(port) >= 12
+
+
+def test_a_staging_slice_too_small_for_a_request_streams_the_rest(cluster):
+    cluster.start_meta()
+    d = cluster.start_daemon(
+        *DAEMON, "daemon.staging_bytes=600KiB", "daemon.staging_slices=1", dram="1MiB", name="small"
+    )
+    keys = KS.block_keys(np.arange(16 * 12, 16 * 24))
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.put(keys, [content(k) for k in keys]).stored == 12
+    port = d.info["metrics_port"]
+    assert read(cluster.meta_addr, keys, io_threads=1) == 12  # one slice holds 2 blocks per request
+    assert 1 <= staged(port) <= 4
+
+
+def test_compressed_ssd_blocks_come_staged_whole(cluster):
+    cluster.start_meta()
+    d = cluster.start_daemon(*DAEMON, dram="1MiB", name="lz4")
+    keys = KS.block_keys(np.arange(16 * 30, 16 * 40))
+    # Compressible (a repeated 4 KiB pattern): stored lz4 on SSD, inflated in the staging slot.
+    blocks = {k: np.tile(content(k)[:4096], SIZE // 4096) for k in keys}
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.put(keys, list(blocks.values())).stored == 10
+        assert {s.tier: s.used_bytes for s in c.stats().segments}.get(2, 1 << 30) < 8 * SIZE  # compressed
+    with SyncKVStoreClient(cluster.meta_addr, ClientConfig(location_cache=0)) as c:
+        out = [np.empty(SIZE, np.uint8) for _ in keys]
+        assert c.get_into(keys, out) == 10
+        assert all(np.array_equal(o, blocks[k]) for o, k in zip(out, keys))
+    assert staged(d.info["metrics_port"]) >= 5  # those on SSD (1 MiB of DRAM holds a few)
