@@ -14,6 +14,10 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 
+# Copies larger than this run in a worker thread so the event loop stays responsive, and are
+# split over ``client.io_threads`` threads (memcpy and xxh3 release the GIL).
+INLINE_COPY_BYTES = 8 << 20
+
 
 def byte_view(obj: Any, writable: bool, what: str = "buffer") -> np.ndarray:
     """A 1-D uint8 numpy view of ``obj``'s bytes (no copy)."""

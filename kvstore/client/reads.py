@@ -1,0 +1,332 @@
+"""The read path of :class:`kvstore.client.KVStoreClient` (a mixin over its state): a get
+reads the blocks whose locations the client knows without the metadata service
+(:mod:`kvstore.client.locations`), the rest through a lease (Acquire -> copy + verify ->
+Release); same-host DRAM blocks through shared memory, SSD blocks of a same-host daemon through its
+staging region, everything else over the data port. Reads from known locations are told to the
+service in batches (``Touch``) for its cache policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvstore.client.buffers import INLINE_COPY_BYTES, byte_view
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.extent import SSD_ALIGN, extent_size
+from kvstore.keys import KEY_BYTES, pack_keys
+from kvstore.transport.frames import DIRECT, STAGED
+from kvstore.transport.shm import ShmTransport
+from kvstore.v1 import meta_pb2
+from kvstore.wire import U32, Placement, locations_from_pb, pack
+
+log = logging.getLogger("kvstore.client")
+
+# Keys per Touch call, the most that wait for one, and how long the first waits for others to
+# join it (see KVStoreClient._touch): a cache policy needs no finer time than that.
+_TOUCH_BATCH_KEYS = 4096
+_MAX_TOUCH_KEYS = 1 << 16
+_TOUCH_DELAY_S = 0.05
+# A staged request's bytes before the daemon said what its slices hold.
+_FIRST_SLICE_BYTES = 4 << 20
+
+
+def _fit(places: list[Placement], lo: int, hi: int, budget: int) -> list[tuple[int, int]]:
+    """Index ranges of ``places[lo:hi]`` whose extents add up to at most ``budget`` bytes (one
+    block at least per range)."""
+    out, start, acc = [], lo, 0
+    for k in range(lo, hi):
+        size = extent_size(places[k].length, SSD_ALIGN)
+        if k > start and acc + size > budget:
+            out.append((start, k))
+            start, acc = k, 0
+        acc += size
+    out.append((start, hi))
+    return out
+
+
+class Reads:
+    """get_into and what it takes: known locations, leases, shared memory, the data port."""
+
+    async def get_into(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
+        """Loads the longest stored prefix of ``keys`` into ``buffers`` (one per key).
+
+        Returns how many leading blocks were loaded; each one's bytes were verified against
+        its checksum. A checksum mismatch, a lost daemon or an expired lease ends the run
+        there (a miss); blocks after the returned count may hold garbage in their buffers.
+        Raises InvalidArgument if a buffer's size differs from its stored block's.
+        """
+        packed = pack_keys(keys)
+        n = len(packed) // KEY_BYTES
+        if len(buffers) != n:
+            raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
+        dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+        self._prune()
+        key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+        direct = await self._read_known_async(key_list, dests)
+        if direct == n:
+            return n
+        t0 = time.monotonic()
+        rest = packed[direct * KEY_BYTES :]
+        resp = await self._rpc(
+            self._stub.Acquire,
+            meta_pb2.AcquireRequest(keys=rest, ttl_ms=int(self.cfg.lease_ttl_s * 1000), host_id=self.host_id),
+        )
+        hit = resp.hit_count
+        if hit == 0:
+            return direct
+        deadline = t0 + resp.ttl_ms / 1000.0
+        places = locations_from_pb(resp.locations, hit)
+        for i, p in enumerate(places, direct):
+            if dests[i].size != p.length:
+                self._release(resp.lease_id, [])
+                raise InvalidArgument(f"buffers[{i}] holds {dests[i].size} bytes but block {i} is {p.length} bytes")
+        key_list = key_list[direct : direct + hit]
+        dests = dests[direct : direct + hit]
+        total = sum(p.length for p in places)
+        try:
+            if total > INLINE_COPY_BYTES:
+                loaded, corrupt = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._read_run, key_list, places, dests, deadline
+                )
+            else:
+                loaded, corrupt = self._read_run(key_list, places, dests, deadline)
+        except BaseException:
+            self._release(resp.lease_id, [])  # the lease goes now, not at its deadline
+            raise
+        self._release(resp.lease_id, corrupt)
+        self._known.remember(key_list[:loaded], places[:loaded], read=True)
+        return direct + loaded
+
+    def get_known(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
+        """Loads the leading run of ``keys`` whose locations this client knows, without the
+        metadata service, in the calling thread (any thread: the sync client calls it in its
+        callers' threads, with no hop to the event loop). Returns how many leading blocks were
+        loaded, each verified; :meth:`get_into` reads on from there."""
+        packed = pack_keys(keys)
+        n = len(packed) // KEY_BYTES
+        if len(buffers) != n:
+            raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
+        dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+        key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+        return self._read_known(key_list, dests, self._known_run(key_list, dests))
+
+    def _known_run(self, keys: list[bytes], dests: list[np.ndarray]) -> list[Placement]:
+        places = self._known.run(keys, self._shm_ok)
+        for i, p in enumerate(places):
+            if dests[i].size != p.length:  # let the leased path judge (and raise) from here on
+                return places[:i]
+        return places
+
+    def _read_known(self, keys: list[bytes], dests: list[np.ndarray], places: list[Placement]) -> int:
+        """Reads ``places`` (the known run of ``keys``) without a lease. Returns how many leading
+        blocks were loaded; the first that failed (it moved on, or its daemon is gone) is
+        forgotten, and the caller reads on from there through a lease."""
+        # A daemon that died or drains no longer serves its arena: its blocks are misses. Checked
+        # once per call, so that a read that started before a drain completes.
+        served: dict[str, bool] = {}
+        for i, p in enumerate(places):
+            if self._shm_ok(p):
+                path = p.segment.shm_path
+                if path not in served:
+                    served[path] = self._shm.arena(path, p.segment.capacity_bytes).served()
+                if not served[path]:
+                    log.info("event=arena_not_served daemon=%s", p.daemon.daemon_id)
+                    places = places[:i]
+                    break
+        if not places:
+            return 0
+        keys = keys[: len(places)]
+        loaded, _ = self._read_run(keys, places, dests, float("inf"), True)
+        # Failures here are not reported as corrupt: without a lease the extent may simply
+        # have been reused, which the checks caught. The leased path reads the block again.
+        self._known.hits += loaded
+        if loaded < len(places):
+            self._known.stale += 1
+            self._known.forget(keys[loaded : loaded + 1])
+        if loaded:
+            self._touch(b"".join(keys[:loaded]), loaded)
+        return loaded
+
+    async def _read_known_async(self, keys: list[bytes], dests: list[np.ndarray]) -> int:
+        places = self._known_run(keys, dests)
+        if sum(p.length for p in places) > INLINE_COPY_BYTES:
+            return await self._loop.run_in_executor(self._pool, self._read_known, keys, dests, places)
+        return self._read_known(keys, dests, places)
+
+    def _staging_of(self, p: Placement) -> Any:
+        """For a daemon on this host whose shared memory this process may map: a function that
+        maps its staging region (kvstore.daemon.staging), only at the path next to its DRAM
+        segment, so that no answer can make this client map another file. None: stream instead."""
+        if self.cfg.transport != "auto" or p.daemon.host_id != self.host_id:
+            return None
+        dram = next((s for s in p.daemon.segments if s.tier == 1 and s.shm_path.endswith("-dram")), None)
+        if dram is None or not self._shm.usable(dram.shm_path, dram.capacity_bytes):
+            return None
+        expected = dram.shm_path[: -len("-dram")] + "-staging"
+        addr = p.daemon.data_addr
+
+        def region(path: str, size: int, slice_bytes: int) -> Any:
+            if path != expected:
+                raise ValueError(f"staging region {path!r} is not the daemon's ({expected!r})")
+            self._slice_bytes[addr] = slice_bytes
+            return self._shm.arena(path, size)
+
+        return region
+
+    def _shm_ok(self, p: Placement) -> bool:
+        try:
+            return self._use_shm(p)
+        except Unavailable:
+            return False
+
+    def _touch(self, chain: bytes, n: int) -> None:
+        """Queues a chain read from known locations for the next Touch (from any thread); the
+        first waits ``_TOUCH_DELAY_S`` for others, one Touch is in flight at a time, and each takes
+        everything queued meanwhile. Past 64 Ki keys
+        waiting (the service unreachable), the oldest are dropped: these are hints to the cache
+        policy, not data."""
+        with self._touch_lock:
+            self._touches.append(chain)
+            self._touch_keys += n
+            while self._touch_keys > _MAX_TOUCH_KEYS and len(self._touches) > 1:
+                self._touch_keys -= len(self._touches.popleft()) // KEY_BYTES
+            if self._touching or self._closing:
+                return
+            self._touching = True
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._loop.call_later(_TOUCH_DELAY_S, self._start_touches)
+        else:
+            self._loop.call_soon_threadsafe(self._loop.call_later, _TOUCH_DELAY_S, self._start_touches)
+
+    def _start_touches(self) -> None:
+        if self._closing:  # close() sent them
+            return
+        task = self._loop.create_task(self._send_touches())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _send_touches(self) -> None:
+        while True:
+            with self._touch_lock:
+                if not self._touches:
+                    self._touching = False
+                    return
+                chains, n_keys = [], 0
+                while self._touches and n_keys + len(self._touches[0]) // KEY_BYTES <= _TOUCH_BATCH_KEYS:
+                    c = self._touches.popleft()
+                    n_keys += len(c) // KEY_BYTES
+                    chains.append(c)
+                if not chains:  # one chain longer than a batch: its head goes alone
+                    c = self._touches.popleft()
+                    n_keys = len(c) // KEY_BYTES
+                    chains = [c[: _TOUCH_BATCH_KEYS * KEY_BYTES]]
+                self._touch_keys -= n_keys
+            try:
+                await self._stub.Touch(meta_pb2.TouchRequest(chains=chains), timeout=self.cfg.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.info("event=touch_failed chains=%d code=%s", len(chains), e.code().name)
+
+    def _read_run(
+        self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float, direct: bool = False
+    ) -> tuple[int, list[int]]:
+        """Copies the leased run, split over the I/O threads; the run ends at the first block
+        that failed. Returns (blocks loaded, run indexes to report as corrupt)."""
+        ranges = self._split([p.length for p in places])
+        futs = [
+            self._chunk_pool.submit(self._read_range, keys, places, dests, deadline, lo, hi, direct)
+            for lo, hi in ranges[1:]
+        ]
+        results = [self._read_range(keys, places, dests, deadline, *ranges[0], direct)] + [f.result() for f in futs]
+        loaded = len(places)
+        corrupt: list[int] = []
+        for (_lo, hi), (n, bad) in zip(ranges, results):
+            corrupt += bad
+            if n < hi and loaded == len(places):
+                loaded = n
+        return loaded, corrupt
+
+    def _read_range(
+        self,
+        keys: list[bytes],
+        places: list[Placement],
+        dests: list[np.ndarray],
+        deadline: float,
+        lo: int,
+        hi: int,
+        direct: bool = False,
+    ) -> tuple[int, list[int]]:
+        """Copies blocks lo..hi in order and stops at the first that fails. Returns (index of the
+        first block not loaded, indexes to report as corrupt)."""
+        i = lo
+        while i < hi:
+            if time.monotonic() > deadline:
+                log.info("event=lease_expired_mid_read loaded=%d of=%d", i, hi)
+                return i, []
+            p = places[i]
+            if self._use_shm(p):
+                arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)
+                # Without a lease (direct) the extent's header must name the block around the copy.
+                named = (p.key or keys[i]) if direct else b""
+                if not ShmTransport.read(arena, p.offset, p.length, dests[i], p.checksum, named, p.gen):
+                    if direct:
+                        log.debug("event=stale_location transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
+                    else:
+                        log.warning("event=checksum_mismatch transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
+                    return i, [i]
+                i += 1
+                continue
+            # A run of consecutive blocks on the same daemon goes in one TCP request.
+            j = i
+            while j < hi and places[j].daemon.daemon_id == p.daemon.daemon_id and not self._use_shm(places[j]):
+                j += 1
+            items = [
+                (
+                    places[k].key or keys[k],
+                    places[k].segment_id,
+                    places[k].offset,
+                    places[k].length,
+                    places[k].checksum,
+                    places[k].gen,
+                    places[k].ticket,
+                )
+                for k in range(i, j)
+            ]
+            flags = DIRECT if direct else 0
+            staging = self._staging_of(p)
+            # Staged reads go in requests that fit the daemon's staging slice (it is reused only
+            # between requests); anything beyond would stream.
+            parts = [(i, j)]
+            if staging is not None:
+                flags |= STAGED
+                parts = _fit(places, i, j, self._slice_bytes.get(p.daemon.data_addr, _FIRST_SLICE_BYTES))
+            for a, b in parts:
+                try:
+                    ok = self._tcp.read(p.daemon.data_addr, items[a - i : b - i], dests[a:b], flags, staging)
+                except (Unavailable, InvalidArgument) as e:
+                    log.info("event=daemon_unreachable daemon=%s reason=%r", p.daemon.daemon_id, str(e))
+                    return a, []
+                for k, good in enumerate(ok):
+                    if not good:
+                        level = logging.DEBUG if direct else logging.WARNING
+                        log.log(
+                            level, "event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, a + k
+                        )
+                        return a + k, [a + k]
+            i = j
+        return hi, []
+
+    def _release(self, lease_id: int, corrupt: list[int]) -> None:
+        """Ends a lease without waiting for the answer (the lease would lapse anyway)."""
+        req = meta_pb2.ReleaseRequest(lease_id=lease_id, corrupt=pack(corrupt, U32))
+        self._background(self._stub.Release, req, f"release_failed lease={lease_id}")
