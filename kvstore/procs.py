@@ -47,8 +47,10 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.kill()
         shm = self.info.get("shm_path")
-        if shm and os.path.exists(shm) and self.info.get("owns_shm", True):
-            os.unlink(shm)
+        if shm and self.info.get("owns_shm", True):
+            for path in (shm, shm + ".served", shm.removesuffix("-dram") + "-staging"):
+                if os.path.exists(path):
+                    os.unlink(path)
 
 
 def start(

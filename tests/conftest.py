@@ -102,10 +102,24 @@ class Cluster:
         for p in reversed(self.procs):
             p.stop()
         for path in self.shm_paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            for p in (path, path + ".served", path.removesuffix("-dram") + "-staging"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+
+    def wait_served(self, timeout: float = 15.0) -> None:
+        """Until every daemon started serves its DRAM segment to reads without a lease (from its
+        first heartbeat after registering, kvstore.daemon.arena)."""
+        from kvstore.daemon.arena import ShmArena
+
+        for path in self.shm_paths:
+            if os.path.exists(path):
+                probe = ShmArena(path, os.path.getsize(path))
+                try:
+                    wait_until(probe.served, timeout)
+                finally:
+                    probe.close()
 
 
 @pytest.fixture

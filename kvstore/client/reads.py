@@ -172,11 +172,11 @@ class Reads:
         expected = dram.shm_path[: -len("-dram")] + "-staging"
         addr = p.daemon.data_addr
 
-        def region(path: str, size: int, slice_bytes: int) -> Any:
+        def region(path: str, size: int, slice_bytes: int, inode: int) -> Any:
             if path != expected:
                 raise ValueError(f"staging region {path!r} is not the daemon's ({expected!r})")
             self._slice_bytes[addr] = slice_bytes
-            return self._shm.arena(path, size)
+            return self._shm.arena(path, size, inode)
 
         return region
 

@@ -49,6 +49,11 @@ class LookupStream:
                 self._reset(call, from_rpc_error(e))
             except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 self._reset(call, Unavailable(f"the lookup stream ended: {e}"))
+            except BaseException:
+                # Cancelled mid-write: whether the request went out is unknown, so answers could
+                # no longer be matched to callers. Start over.
+                self._reset(call, Unavailable("a lookup was cancelled while it was being sent"))
+                raise
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self._timeout_s)
         except asyncio.TimeoutError:

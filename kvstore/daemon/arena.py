@@ -4,11 +4,15 @@ same-host clients map, so that a same-host put or get is one memcpy with no sock
 The arena outlives a daemon crash (the file stays), so a restarted daemon reattaches it and
 rebuilds its inventory with :func:`kvstore.extent.scan`.
 
-Liveness: the daemon holds an exclusive ``flock`` on the arena for as long as it runs (the
-kernel drops it the moment the process dies), so a client can tell at the cost of one system
-call whether the arena it maps is still served (:meth:`ShmArena.served`) before it reads a
-block there without asking the metadata service. The lock also keeps a second daemon off an
-arena that one already serves.
+Two locks (``flock``, which the kernel drops the moment the process dies):
+
+- the daemon holds an exclusive lock on the arena itself for as long as it runs, so that no
+  second daemon attaches to an arena that one already uses;
+- it holds one on ``<arena>.served`` while its blocks are in the metadata service's index and
+  it serves them (:meth:`ShmArena.serve`): from its first heartbeat after registering (by then
+  the blocks the service refused from its inventory are invalidated) until a drain, or until
+  the service no longer knows it. A client tells at the cost of one system call whether that
+  holds (:meth:`ShmArena.served`) before it reads a block there without asking the service.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import fcntl
 import mmap
 import os
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -99,26 +104,56 @@ class ShmArena:
             except BaseException:
                 os.close(fd)
                 raise
-        # Kept open: the daemon's holds its lock, a client's probes it.
+        # Kept open: the daemon's holds its lock, a client's probes it. Closed by close(), or
+        # when the arena is dropped (a client forgetting a retired segment).
         self._fd = fd
+        self.inode = os.fstat(fd).st_ino
+        self._closer = weakref.finalize(self, os.close, fd)
+        self._served_fd = -1  # the daemon's lock on <path>.served
+        self._probe_fd = -1  # a client's handle on it
         self.view = memoryview(self._map)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
-    def served(self) -> bool:
-        """Whether a daemon serves this arena now (holds its lock). One system call."""
+    def serve(self) -> None:
+        """The daemon: its blocks here are indexed and served (see the module docstring)."""
+        if self._served_fd >= 0:
+            return
+        fd = os.open(self.path + ".served", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        return False
+            _check_owner(fd, self.path + ".served")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._served_fd = fd
 
     def unserve(self) -> None:
-        """The daemon stops serving reads without a lease from this arena (a drain)."""
-        if self._fd >= 0:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """The daemon stops serving reads without a lease from this arena (a drain, or the
+        service no longer knows it)."""
+        if self._served_fd >= 0:
+            os.close(self._served_fd)  # the lock goes with it
+            self._served_fd = -1
+
+    def served(self) -> bool:
+        """A client: whether the daemon serves this arena now. One system call (two when the
+        lock file was made anew since it was last opened)."""
+        for fresh in (False, True):
+            if fresh or self._probe_fd < 0:
+                if self._probe_fd >= 0:
+                    os.close(self._probe_fd)
+                    self._probe_fd = -1
+                try:
+                    self._probe_fd = os.open(self.path + ".served", os.O_RDONLY | os.O_NOFOLLOW)
+                except OSError:
+                    return False
+            try:
+                fcntl.flock(self._probe_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            fcntl.flock(self._probe_fd, fcntl.LOCK_UN)
+        return False
 
     def clear_header(self, offset: int) -> None:
         self.view[offset : offset + HEADER_SIZE] = CLEARED
@@ -144,8 +179,14 @@ class ShmArena:
         return False
 
     def close(self) -> None:
+        if self._served_fd >= 0:  # the daemon: no lock file left behind
+            Path(self.path + ".served").unlink(missing_ok=True)
+        self.unserve()
+        if self._probe_fd >= 0:
+            os.close(self._probe_fd)
+            self._probe_fd = -1
         if self._fd >= 0:
-            os.close(self._fd)  # a daemon's lock goes with it
+            self._closer()  # a daemon's lock goes with it
             self._fd = -1
         self.array = None  # type: ignore[assignment]
         self.view.release()

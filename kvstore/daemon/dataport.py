@@ -26,7 +26,7 @@ import ssl
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -281,28 +281,33 @@ class DataPort:
                 next_ssd += 1
 
         done_ssd = 0
-        for i, ((key, _s, _e, off, length, _c, gen, _t), seg) in enumerate(zip(entries, arenas)):
-            if isinstance(seg, SsdSegment) and i not in ssd_set:
-                status, payload = EntryStatus.MISMATCH, None
-            elif isinstance(seg, SsdSegment):
-                submit_upto(done_ssd + READ_AHEAD)
-                st, payload = ahead.pop(i).result()
-                done_ssd += 1
-                status = EntryStatus.OK if st.ok else _READ_STATUS.get(st.reason, EntryStatus.MISMATCH)
-            else:
-                h = sealer.parse(seg.view, off)
-                ok = h is not None and h.key == key and h.length == length and h.gen == gen
-                status = EntryStatus.OK if ok else EntryStatus.MISMATCH
-                payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length] if ok else None
-            if status == EntryStatus.OK and i in slots and self._inside(payload, slots[i]):
-                conn.sendall(STAGED_AT.pack(EntryStatus.STAGED, self.staging.offset_of(payload)))  # type: ignore[union-attr]
-                self.counters["staged"] += 1
-                self.counters["staged_bytes"] += length
-                continue
-            conn.sendall(bytes((status,)))
-            if status == EntryStatus.OK:
-                conn.sendall(payload)
-                sent += length
+        try:
+            for i, ((key, _s, _e, off, length, _c, gen, _t), seg) in enumerate(zip(entries, arenas)):
+                if isinstance(seg, SsdSegment) and i not in ssd_set:
+                    status, payload = EntryStatus.MISMATCH, None
+                elif isinstance(seg, SsdSegment):
+                    submit_upto(done_ssd + READ_AHEAD)
+                    st, payload = ahead.pop(i).result()
+                    done_ssd += 1
+                    status = EntryStatus.OK if st.ok else _READ_STATUS.get(st.reason, EntryStatus.MISMATCH)
+                else:
+                    h = sealer.parse(seg.view, off)
+                    ok = h is not None and h.key == key and h.length == length and h.gen == gen
+                    status = EntryStatus.OK if ok else EntryStatus.MISMATCH
+                    payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length] if ok else None
+                if status == EntryStatus.OK and i in slots and self._inside(payload, slots[i]):
+                    conn.sendall(STAGED_AT.pack(EntryStatus.STAGED, self.staging.offset_of(payload)))  # type: ignore[union-attr]
+                    self.counters["staged"] += 1
+                    self.counters["staged_bytes"] += length
+                    continue
+                conn.sendall(bytes((status,)))
+                if status == EntryStatus.OK:
+                    conn.sendall(payload)
+                    sent += length
+        finally:
+            # Reads still under way write into this connection's buffers (its staging slice,
+            # which goes to another connection once this one closes): let them finish first.
+            wait(ahead.values())
         self.counters["reads"] += len(entries)
         self.counters["read_bytes"] += sent
 

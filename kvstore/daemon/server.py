@@ -301,9 +301,14 @@ class CacheDaemon:
                     if not resp.known:
                         log.info("event=meta_forgot_us daemon=%s action=reregister", self.daemon_id)
                         need_register = True
+                        self.dram.unserve()  # our blocks are not indexed until we register again
                         if self.health.serving:
                             await self.health.set_serving(False)
                         continue
+                    if not self.draining:
+                        # Known to the service, and what it refused of our inventory invalidated
+                        # (that came with this heartbeat): reads without a lease may come.
+                        self.dram.serve()
                 self._last_contact = loop.time()
                 failures = 0
             except grpc.aio.AioRpcError as e:

@@ -38,7 +38,9 @@ class Staging:
         self._free = list(range(slices - 1, -1, -1))
         self._lock = threading.Lock()
         # The head of a READ response that staged blocks: where the client maps them.
-        self.message = f"{self.path}\n{self.size}\n{self.slice_bytes}".encode()
+        # The inode tells a client that the region at this path was made anew (a restarted
+        # daemon) and its mapping of the old one must go.
+        self.message = f"{self.path}\n{self.size}\n{self.slice_bytes}\n{self.arena.inode}".encode()
 
     def take(self) -> int | None:
         """A free slice's index, or None when every slice is held by a connection."""

@@ -35,9 +35,12 @@ class Membership:
 
     def _tombstone(self, rep: Replica) -> None:
         seg = rep.segment
-        self.tombstones.setdefault(seg.daemon.spec.daemon_id, []).append(
-            Tombstone(seg.spec.segment_id, rep.entry.key, rep.offset, rep.gen)
+        self._tombstone_item(
+            seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, rep.entry.key, rep.offset, rep.gen)
         )
+
+    def _tombstone_item(self, daemon_id: str, t: Tombstone) -> None:
+        self.tombstones.setdefault(daemon_id, []).append(t)
         self._n_tombstones += 1
         self.counters["tombstones"] += 1
         if self._n_tombstones > MAX_TOMBSTONES:
@@ -144,6 +147,11 @@ class Membership:
                     if ok:
                         alloc.release(it.offset, size)
                     rejected += 1
+                    if ok and len(it.key) == KEY_BYTES and it.gen and not tomb:
+                        # Refused though its extent is its own (a clash with what the index
+                        # holds): the daemon must drop it too, or a reader that remembers its
+                        # location would still find it there (kvstore.client.locations).
+                        self._tombstone_item(spec.daemon_id, Tombstone(sspec.segment_id, it.key, it.offset, it.gen))
                     continue
                 if e is None:
                     e = Entry(it.key, 0)

@@ -20,7 +20,7 @@ block of that generation, which only the metadata service's commit makes a store
 A READ head may carry the flag ``STAGED`` (the reader is on the daemon's host and maps its
 staging region, :mod:`kvstore.daemon.staging`): SSD entries may then be answered with status
 ``STAGED`` and the u64 offset of their verified payload in that region instead of the payload;
-the response head's message names the region ("path\nsize\nslice bytes"). A READ head may carry the flag ``DIRECT``: the reader holds no lease, it reads from a location
+the response head's message names the region ("path\nsize\nslice bytes\ninode"). A READ head may carry the flag ``DIRECT``: the reader holds no lease, it reads from a location
 it learned earlier (:mod:`kvstore.client.locations`); a draining daemon, whose blocks have left
 the index, answers such entries as a mismatch (a miss) and serves only leased reads.
 ``expiry`` and ``mac`` are the entry's capability ticket from the metadata service

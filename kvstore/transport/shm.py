@@ -53,14 +53,18 @@ class ShmTransport:
                 return False
         return True
 
-    def arena(self, shm_path: str, size: int) -> ShmArena:
+    def arena(self, shm_path: str, size: int, inode: int = 0) -> ShmArena:
+        """The mapping of ``shm_path`` (made now if there is none of that size, or, given the
+        file's ``inode``, none of that file)."""
         a = self._arenas.get(shm_path)
-        if a is None or a.size != size:
+        if a is None or a.size != size or (inode and a.inode != inode):
             with self._lock:
                 a = self._arenas.get(shm_path)
-                if a is None or a.size != size:
+                if a is None or a.size != size or (inode and a.inode != inode):
                     a = self._arenas[shm_path] = ShmArena(shm_path, size)
-                    self._inodes[shm_path] = os.stat(shm_path).st_ino
+                    self._inodes[shm_path] = a.inode
+                    if inode and a.inode != inode:
+                        raise OSError(f"{shm_path} is not the file the daemon named (inode {a.inode}, not {inode})")
         return a
 
     def prune(self) -> int:

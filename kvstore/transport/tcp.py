@@ -142,11 +142,11 @@ class TcpTransport:
         items: Sequence[tuple],
         dests: Sequence[np.ndarray],
         flags: int = 0,
-        staging: Callable[[str, int, int], Any] | None = None,
+        staging: Callable[[str, int, int, int], Any] | None = None,
     ) -> list[bool]:
         """Reads ``items`` (key, segment_id, offset, length, checksum, gen, ticket) into ``dests``
         (``flags``: the head's, e.g. ``frames.DIRECT``; with ``frames.STAGED``, ``staging(path,
-        size, slice_bytes)`` maps the daemon's staging region, and blocks the daemon staged there are copied
+        size, slice_bytes, inode)`` maps the daemon's staging region, and blocks the daemon staged there are copied
         from it: verified in place by the daemon, not checksummed again).
 
         Returns per item whether its bytes arrived and match the checksum. Raises Unavailable
@@ -156,9 +156,9 @@ class TcpTransport:
         s, msg = self._request(addr, Op.READ, entries, flags=flags)
         region = None
         if msg and staging is not None:
-            path, size, slice_bytes = (msg.decode(errors="replace").split("\n") + ["", "", ""])[:3]
+            path, size, slice_bytes, inode = (msg.decode(errors="replace").split("\n") + ["", "", "", ""])[:4]
             try:
-                region = staging(path, int(size), int(slice_bytes))
+                region = staging(path, int(size), int(slice_bytes), int(inode))
             except (OSError, ValueError) as e:
                 s.close()
                 raise Unavailable(f"data port {addr}: cannot map its staging region {path}: {e}") from None
@@ -170,7 +170,8 @@ class TcpTransport:
                 if not recv_exact(s, memoryview(status)):
                     raise ConnectionError("data port closed mid-response")
                 if status[0] == EntryStatus.STAGED:
-                    recv_exact(s, memoryview(at))
+                    if not recv_exact(s, memoryview(at)):
+                        raise ConnectionError("data port closed mid-response")
                     off = int.from_bytes(at, "little")
                     if region is None or off + n > region.size:
                         raise ConnectionError("data port staged a block outside its staging region")

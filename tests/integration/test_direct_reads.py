@@ -45,6 +45,7 @@ def read(c: SyncKVStoreClient, keys: list[bytes]) -> tuple[int, list[np.ndarray]
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_known_blocks_are_read_without_the_service(store, transport):
     keys = chain(8)
+    store.wait_served()
     with SyncKVStoreClient(store.meta_addr, ClientConfig(transport=transport)) as c:
         assert c.put(keys, [payload(k) for k in keys]).stored == 8
         n, _ = read(c, keys)  # over TCP a put's write tickets do not read: this one takes a lease
@@ -69,6 +70,7 @@ def test_known_blocks_are_read_without_the_service(store, transport):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_stale_location_falls_back_to_the_leased_path(store, transport):
     keys = chain(4)
+    store.wait_served()
     cfg = ClientConfig(transport=transport)
     with SyncKVStoreClient(store.meta_addr, cfg) as reader, SyncKVStoreClient(store.meta_addr, cfg) as writer:
         writer.put(keys, [payload(k) for k in keys])
@@ -89,6 +91,7 @@ def test_reads_racing_eviction_and_reuse_never_return_another_blocks_bytes(clust
     earlier. Every block it gets must be that block's bytes."""
     cluster.start_meta()
     cluster.start_daemon(dram="2MiB")
+    cluster.wait_served()
     keys = chain(48)
     cfg = ClientConfig(transport=transport)
     stop = threading.Event()
@@ -136,6 +139,7 @@ def test_warm_caches_survive_daemon_and_metadata_restarts(cluster, transport):
     meta = cluster.start_meta()
     addr = cluster.meta_addr
     daemon = cluster.start_daemon(name="warm")
+    cluster.wait_served()
     keys = chain(6)
     with SyncKVStoreClient(addr, ClientConfig(transport=transport, rpc_timeout_s=2)) as c:
         c.put(keys, [payload(k) for k in keys])
@@ -154,3 +158,31 @@ def test_warm_caches_survive_daemon_and_metadata_restarts(cluster, transport):
         wait_until(lambda: stored(c, keys) == 6)
         n, out = read(c, keys)
         assert n == 6 and all(np.array_equal(o, payload(k)) for o, k in zip(out, keys))
+
+
+def test_a_block_the_service_refused_at_re_registration_is_not_read_from_a_known_location(cluster):
+    """A daemon dies; its block leaves the index and is stored anew elsewhere; the daemon comes
+    back with its old copy, which the service refuses (the key lives on the other daemon). A
+    reader that remembers the old location must not get the old copy from there."""
+    cluster.start_meta()
+    cluster.start_daemon(name="first", dram="8MiB")
+    cluster.wait_served()
+    keys = chain(3)
+    old = [payload(k) for k in keys]
+    with SyncKVStoreClient(cluster.meta_addr) as reader:
+        with SyncKVStoreClient(cluster.meta_addr) as w:
+            assert w.put(keys, old).stored == 3
+        assert read(reader, keys)[0] == 3  # the reader now knows where they are
+        first = cluster.procs[-1]
+        first.kill()
+        reader.advance_clock(5)  # past the liveness deadline: the blocks leave the index
+        wait_until(lambda: stored(reader, keys) == 0)
+        cluster.start_daemon(name="second", dram="8MiB")
+        new = [np.full(SIZE, 7, np.uint8) for _ in keys]  # other bytes under the same keys
+        with SyncKVStoreClient(cluster.meta_addr) as w:
+            assert w.put(keys, new).stored == 3
+        cluster.start_daemon(name="first", dram="8MiB")  # back, with its old copies
+        cluster.wait_served()
+        for _ in range(20):
+            n, out = read(reader, keys)
+            assert n == 3 and all(np.array_equal(o, b) for o, b in zip(out, new)), "the refused copy was read"

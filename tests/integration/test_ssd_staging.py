@@ -96,3 +96,26 @@ def test_compressed_ssd_blocks_come_staged_whole(cluster):
         assert c.get_into(keys, out) == 10
         assert all(np.array_equal(o, blocks[k]) for o, k in zip(out, keys))
     assert staged(d.info["metrics_port"]) >= 5  # those on SSD (1 MiB of DRAM holds a few)
+
+
+def test_a_client_maps_the_staging_region_anew_after_a_clean_daemon_restart(cluster):
+    """A clean stop removes the staging region; the restarted daemon makes a new one at the
+    same path. A client that mapped the old one must not copy from it."""
+    cluster.start_meta()
+    d = cluster.start_daemon(*DAEMON, dram="1MiB", name="again")
+    keys = KS.block_keys(np.arange(16 * 40, 16 * 64))
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.put(keys, [content(k) for k in keys]).stored == 24
+    first, second = keys[:12], keys[12:]
+    with SyncKVStoreClient(cluster.meta_addr, ClientConfig(location_cache=0)) as c:
+        out = [np.empty(SIZE, np.uint8) for _ in first]
+        assert c.get_into(first, out) == 12  # maps the staging region
+        assert all(np.array_equal(o, content(k)) for o, k in zip(out, first))
+        d.stop()  # SIGTERM: drains, stops, removes its staging region
+        d = cluster.start_daemon(*DAEMON, dram="1MiB", name="again")
+        wait_until(lambda: on_ssd(cluster.meta_addr) >= 16, timeout=30)
+        # Other blocks now: the old region still holds the first ones at the same offsets.
+        out = [np.zeros(SIZE, np.uint8) for _ in second]
+        n = c.get_into(second, out)
+        assert n == 12 and all(np.array_equal(o, content(k)) for o, k in zip(out, second))
+        assert staged(d.info["metrics_port"]) >= 8  # through the new region

@@ -92,11 +92,28 @@ def test_a_block_named_by_another_key_or_generation_is_a_miss(tmp_path):
         assert not ShmTransport.read(arena, 0, SIZE - 1, out[:-1], checksum(data), KX, GX)  # another length
         arena.clear_header(0)  # invalidated (evicted, removed): the payload is still there
         assert not ShmTransport.read(arena, 0, SIZE, out, checksum(data), KX, GX)
-        # A daemon serves the arena while it holds it; a client's mapping only probes.
+        # A daemon serves the arena while it holds its lock; a client's mapping only probes.
         client = ShmArena(tmp_path / "arena", 1 << 20)
+        assert not client.served()  # not yet: the daemon serves once its blocks are indexed
+        arena.serve()
         assert client.served()
         arena.unserve()
+        assert not client.served()
+        arena.serve()
+        arena.close()  # a daemon that stops (or dies) serves no more
         assert not client.served()
         client.close()
     finally:
         arena.close()
+
+
+def test_a_second_daemon_cannot_attach_to_a_served_arena(tmp_path):
+    import pytest
+
+    arena = ShmArena(tmp_path / "arena", 1 << 20, create=True)
+    try:
+        with pytest.raises(OSError, match="already served by another daemon"):
+            ShmArena(tmp_path / "arena", 1 << 20, create=True)
+    finally:
+        arena.close()
+    ShmArena(tmp_path / "arena", 1 << 20, create=True).close()  # free once the first let go
