@@ -66,13 +66,18 @@ def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0, keys: b
         keys=b"".join([r.entry.key for r in replicas]) if keys else b"",
         tickets=signed,
         rows=b"".join([r.row for r in replicas]),
-        segments=[
-            pb.SegmentRef(
-                ref=s.ref, daemon=daemon_to_pb(s.daemon.spec), segment_id=s.spec.segment_id, tier=int(s.spec.tier)
-            )
-            for s in segs.values()
-        ],
+        segments=[_segment_ref(s) for s in segs.values()],
     )
+
+
+def _segment_ref(s) -> pb.SegmentRef:  # noqa: ANN001 - kvstore.meta.records.Segment
+    """A segment as location messages describe it, built once per segment (its spec does not change)."""
+    ref = s.pb_ref
+    if ref is None:
+        ref = s.pb_ref = pb.SegmentRef(
+            ref=s.ref, daemon=daemon_to_pb(s.daemon.spec), segment_id=s.spec.segment_id, tier=int(s.spec.tier)
+        )
+    return ref
 
 
 class Placement(NamedTuple):

@@ -155,7 +155,7 @@ class Entry:
 
 
 class Segment:
-    __slots__ = ("daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref", "replicas")
+    __slots__ = ("daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref", "replicas", "pb_ref")
 
     def __init__(self, daemon: Daemon, spec: SegmentSpec, ref: int, alloc: Allocator | None = None) -> None:
         self.daemon = daemon
@@ -170,6 +170,8 @@ class Segment:
         # Every live replica (ready or reserved), so that losing a daemon costs its own blocks,
         # not a walk of the whole index.
         self.replicas: set[Replica] = set()
+        # How location messages describe it (kvstore.wire.locations_to_pb), built once.
+        self.pb_ref = None
 
     @property
     def align(self) -> int:
