@@ -45,6 +45,7 @@ from bench.peers_servers import KVStoreServer, RedisServer  # noqa: E402
 OBJECTS = 2000
 SIZE = 4096
 PROCS = (1, 4, 8)
+QUICK_PROCS = (1, 4)  # --quick: fewer points (each starts its processes and warms them up)
 RESULTS = REPO / "bench" / "results" / "meta_capacity.json"
 
 
@@ -126,6 +127,7 @@ LABELS = {
 
 def render(result: dict) -> str:
     points, seconds = result["points"], result["seconds_per_point"]
+    procs = result.get("processes", PROCS)
     lines = [
         "## One-key operations per second with 1, 4 and 8 client processes (`bench/meta_capacity.py`)",
         "",
@@ -139,17 +141,17 @@ def render(result: dict) -> str:
         "to the metadata service) against Redis `EXISTS`; gets are `get_into([key])` against `GET`. Servers "
         "and clients share 2 cores.",
         "",
-        "| operation | system | 1 process | 4 processes | 8 processes |",
-        "|---|---|---|---|---|",
+        "| operation | system | " + " | ".join(f"{n} process{'es' if n > 1 else ''}" for n in procs) + " |",
+        "|---|---|" + "---|" * len(procs),
     ]
     for op, systems in points.items():
         for system, per in systems.items():
             label = "kvstore" if op == "lookup" and system != "redis" else LABELS[system]
-            lines.append(f"| {op} | {label} | " + " | ".join(f"{per[str(n)]['ops_per_s']:,}/s" for n in PROCS) + " |")
+            lines.append(f"| {op} | {label} | " + " | ".join(f"{per[str(n)]['ops_per_s']:,}/s" for n in procs) + " |")
     lines += [
         "",
         f"- `single_key_get_ops_over_redis` = **{result['single_key_get_ops_over_redis']:.2f}** (target >= 0.5, "
-        "best of 1/4/8 processes); over TCP "
+        f"best of {'/'.join(map(str, procs))} processes); over TCP "
         f"{result['single_key_get_tcp_ops_over_redis']:.2f}; with a lease per get "
         f"{result['single_key_get_leased_ops_over_redis']:.2f}.",
         f"- `single_key_lookup_ops_over_redis` = **{result['single_key_lookup_ops_over_redis']:.2f}**: every "
@@ -191,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             r.close()
             plan = [("redis", "lookup"), ("kvstore-shm", "lookup"), ("redis", "get"), ("kvstore-shm", "get"),
                     ("kvstore-tcp", "get"), ("kvstore-shm-leased", "get"), ("kvstore-tcp-leased", "get")]  # fmt: skip
-            with tqdm(total=len(plan) * len(PROCS), desc="capacity", unit="point") as bar:
+            procs = QUICK_PROCS if ns.quick else PROCS
+            with tqdm(total=len(plan) * len(procs), desc="capacity", unit="point") as bar:
                 for system, op in plan:
                     addr = str(rs.port) if system == "redis" else kv.meta
-                    for n in PROCS:
+                    for n in procs:
                         bar.set_postfix_str(f"{system} {op} x{n}")
                         m = measure(system, op, addr, n, seconds)
                         points.setdefault(op, {}).setdefault(system, {})[str(n)] = m
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "seconds_per_point": seconds,
         "objects": OBJECTS,
+        "processes": list(procs),
         "object_bytes": SIZE,
         "points": points,
         "single_key_get_ops_over_redis": round(best("get", "kvstore-shm") / best("get", "redis"), 3),

@@ -119,11 +119,19 @@ def _plugins() -> dict[str, Any]:
 
 BENCH_SUITES = {
     "policy": ["policy.py"],
-    "store": ["store_throughput.py", "peers.py", "tier_throughput.py"],
+    "store": ["store_throughput.py", "peers.py", "meta_capacity.py", "tier_throughput.py"],
     "engine": ["engine_reuse.py"],
     "gpu": ["gpu_copy.py"],
     "soak": ["soak.py"],
-    "all": ["policy.py", "store_throughput.py", "peers.py", "tier_throughput.py", "engine_reuse.py", "soak.py"],
+    "all": [
+        "policy.py",
+        "store_throughput.py",
+        "peers.py",
+        "meta_capacity.py",
+        "tier_throughput.py",
+        "engine_reuse.py",
+        "soak.py",
+    ],  # fmt: skip
 }
 
 
