@@ -47,6 +47,19 @@ SIZE = 4096
 PROCS = (1, 4, 8)
 QUICK_PROCS = (1, 4)  # --quick: fewer points (each starts its processes and warms them up)
 RESULTS = REPO / "bench" / "results" / "meta_capacity.json"
+# The figures that the peer comparison's JSON (bench/results/peers.json) carries as well.
+CAPACITY_FIELDS = (
+    "single_key_get_ops_over_redis",
+    "single_key_get_tcp_ops_over_redis",
+    "single_key_get_leased_ops_over_redis",
+    "single_key_lookup_ops_over_redis",
+)
+
+
+def carry(capacity: dict, peers: dict) -> None:
+    """Copies this benchmark's figures into a peers.json result, saying which run they are from."""
+    peers.update({k: capacity[k] for k in CAPACITY_FIELDS if k in capacity})
+    peers["capacity_source"] = f"`{capacity['command']}`, {capacity['date']} (bench/results/meta_capacity.json)"
 
 
 def _keys() -> list[bytes]:
@@ -223,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(result, indent=2) + "\n")
+    peers = ns.out.with_name("peers.json")
+    if peers.exists():  # the peer comparison's JSON carries these figures too
+        p = json.loads(peers.read_text())
+        carry(result, p)
+        peers.write_text(json.dumps(p, indent=2) + "\n")
     if not ns.no_report:
         update_section("capacity", render(result))
     print(json.dumps({k: v for k, v in result.items() if k != "points"}, indent=1))

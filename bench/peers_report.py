@@ -270,6 +270,11 @@ def write(r: dict, out: Path, report: bool) -> None:
     r["comparisons"] = compare(r)
     r["losses"] = losses(r)
     r.update(targets(r))
+    capacity = out.with_name("meta_capacity.json")
+    if capacity.exists():  # one-key operations per second, measured by bench/meta_capacity.py
+        from bench.meta_capacity import carry
+
+        carry(json.loads(capacity.read_text()), r)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=2) + "\n")
     png = out.with_name("peers_throughput.png")

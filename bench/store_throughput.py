@@ -427,6 +427,10 @@ def main() -> int:
     big = result["sizes"]["2MiB"]
     result["shm_get_over_memcpy"] = big["shm_get_over_memcpy"]
     result["tcp_get_over_socket"] = big["tcp_get_over_socket"]
+    small = result["sizes"].get("64KiB")
+    if small is not None:  # small blocks: the fixed cost per block shows
+        result["shm_get_over_memcpy_64k"] = small["shm_get_over_memcpy"]
+        result["tcp_get_over_socket_64k"] = small["tcp_get_over_socket"]
     result["lookup_keys_per_s"] = result["lookup"]["lookup_keys_per_s"]
     result["lookup_p99_ms"] = result["lookup"]["lookup_p99_ms"]
     result["tls_tcp_get_over_plain"] = result["tls"]["2MiB"]["tls_tcp_get_over_plain"]
@@ -442,11 +446,14 @@ def main() -> int:
                 for k in (
                     "shm_get_over_memcpy",
                     "tcp_get_over_socket",
+                    "shm_get_over_memcpy_64k",
+                    "tcp_get_over_socket_64k",
                     "lookup_keys_per_s",
                     "lookup_p99_ms",
                     "tls_tcp_get_over_plain",
                     "tickets_shm_get_over_plain",
                 )
+                if k in result
             }
         )
     )

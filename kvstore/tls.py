@@ -103,28 +103,26 @@ def add_port(server: grpc.aio.Server, addr: str, tls: TlsConfig | None, what: st
     return server.add_secure_port(addr, creds)
 
 
-class _Token(grpc.aio.UnaryUnaryClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call (see kvstore.meta.auth)."""
+def _bearer(details, token: str):  # noqa: ANN001, ANN202 - grpc's ClientCallDetails
+    """``details`` with ``authorization: Bearer <token>`` added (see kvstore.meta.auth)."""
+    return details._replace(metadata=[*(details.metadata or []), ("authorization", f"Bearer {token}")])
 
+
+# A channel sorts each interceptor into one kind of call only, hence one class per kind used.
+class _Token(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
-        self.md = ("authorization", f"Bearer {token}")
+        self.token = token
 
     async def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
-        md = list(details.metadata or []) + [self.md]
-        details = details._replace(metadata=md)
-        return await continuation(details, request)
+        return await continuation(_bearer(details, self.token), request)
 
 
 class _TokenStream(grpc.aio.StreamStreamClientInterceptor):
-    """The same for bidirectional streams (the lookup stream)."""
-
     def __init__(self, token: str) -> None:
-        self.md = ("authorization", f"Bearer {token}")
+        self.token = token
 
     async def intercept_stream_stream(self, continuation, details, request_iterator):  # noqa: ANN001, ANN201
-        md = list(details.metadata or []) + [self.md]
-        details = details._replace(metadata=md)
-        return await continuation(details, request_iterator)
+        return await continuation(_bearer(details, self.token), request_iterator)
 
 
 def aio_channel(

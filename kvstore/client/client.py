@@ -198,8 +198,6 @@ class KVStoreClient(Reads, Writes):
             raise Unavailable(f"daemon {p.daemon.daemon_id} is not reachable through shared memory from this host")
         return usable
 
-    # ---- writes -----------------------------------------------------------------------------
-
     # ---- management -------------------------------------------------------------------------
 
     async def remove(self, keys: Sequence[bytes] | bytes) -> int:

@@ -37,6 +37,16 @@ _TOUCH_DELAY_S = 0.05
 _FIRST_SLICE_BYTES = 4 << 20
 
 
+def _views(keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> tuple[bytes, list[bytes], list[np.ndarray]]:
+    """A get's keys, packed and one by one, and its buffers as writable byte views (one per key)."""
+    packed = pack_keys(keys)
+    n = len(packed) // KEY_BYTES
+    if len(buffers) != n:
+        raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
+    dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+    return packed, [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)], dests
+
+
 def _fit(places: list[Placement], lo: int, hi: int, budget: int) -> list[tuple[int, int]]:
     """Index ranges of ``places[lo:hi]`` whose extents add up to at most ``budget`` bytes (one
     block at least per range)."""
@@ -62,13 +72,9 @@ class Reads:
         there (a miss); blocks after the returned count may hold garbage in their buffers.
         Raises InvalidArgument if a buffer's size differs from its stored block's.
         """
-        packed = pack_keys(keys)
-        n = len(packed) // KEY_BYTES
-        if len(buffers) != n:
-            raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
-        dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
+        packed, key_list, dests = _views(keys, buffers)
+        n = len(key_list)
         self._prune()
-        key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
         direct = await self._read_known_async(key_list, dests)
         if direct == n:
             return n
@@ -109,12 +115,7 @@ class Reads:
         metadata service, in the calling thread (any thread: the sync client calls it in its
         callers' threads, with no hop to the event loop). Returns how many leading blocks were
         loaded, each verified; :meth:`get_into` reads on from there."""
-        packed = pack_keys(keys)
-        n = len(packed) // KEY_BYTES
-        if len(buffers) != n:
-            raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
-        dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
-        key_list = [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+        _, key_list, dests = _views(keys, buffers)
         return self._read_known(key_list, dests, self._known_run(key_list, dests))
 
     def _known_run(self, keys: list[bytes], dests: list[np.ndarray]) -> list[Placement]:
@@ -189,9 +190,8 @@ class Reads:
     def _touch(self, chain: bytes, n: int) -> None:
         """Queues a chain read from known locations for the next Touch (from any thread); the
         first waits ``_TOUCH_DELAY_S`` for others, one Touch is in flight at a time, and each takes
-        everything queued meanwhile. Past 64 Ki keys
-        waiting (the service unreachable), the oldest are dropped: these are hints to the cache
-        policy, not data."""
+        everything queued meanwhile. Past ``_MAX_TOUCH_KEYS`` waiting (the service unreachable),
+        the oldest are dropped: these are hints to the cache policy, not data."""
         with self._touch_lock:
             self._touches.append(chain)
             self._touch_keys += n

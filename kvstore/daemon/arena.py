@@ -35,9 +35,9 @@ def _check_owner(fd: int, path: str) -> None:
         raise PermissionError(f"shared memory {path} is owned by uid {uid}, not this process's user ({os.geteuid()})")
 
 
-def _lock_served(fd: int, path: str, wait_s: float = 2.0) -> None:
-    """Takes the arena's exclusive lock for this daemon (a client's probe holds a shared one for
-    microseconds, so a few retries; another daemon holds it for good)."""
+def _lock_owner(fd: int, path: str, wait_s: float = 2.0) -> None:
+    """Takes the arena's exclusive lock for this daemon; another daemon that uses the arena
+    holds it for good (a few retries cover one that is just letting go)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -45,7 +45,7 @@ def _lock_served(fd: int, path: str, wait_s: float = 2.0) -> None:
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise OSError(f"shared memory {path} is already served by another daemon (it holds its lock)") from None
+                raise OSError(f"shared memory {path} is already in use by another daemon (it holds its lock)") from None
             time.sleep(0.01)
 
 
@@ -71,7 +71,7 @@ class ShmArena:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
                 _check_owner(fd, self.path)
-                _lock_served(fd, self.path)  # before anything changes the file
+                _lock_owner(fd, self.path)  # before anything changes the file
                 if os.fstat(fd).st_mode & 0o077:
                     os.fchmod(fd, 0o600)
                 existing = os.fstat(fd).st_size

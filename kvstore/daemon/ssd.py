@@ -355,7 +355,7 @@ class SsdSegment:
         plus room to decompress it unless it is stored raw."""
         reserved = extent_size(length, SSD_ALIGN)
         b = self._live.get(offset)
-        return reserved if b is not None and b.size >= reserved else reserved + length
+        return reserved if b is not None and b.size >= reserved else self.staging_bytes(length)
 
     @staticmethod
     def staging_bytes(length: int) -> int:

@@ -112,7 +112,7 @@ def test_a_second_daemon_cannot_attach_to_a_served_arena(tmp_path):
 
     arena = ShmArena(tmp_path / "arena", 1 << 20, create=True)
     try:
-        with pytest.raises(OSError, match="already served by another daemon"):
+        with pytest.raises(OSError, match="already in use by another daemon"):
             ShmArena(tmp_path / "arena", 1 << 20, create=True)
     finally:
         arena.close()
