@@ -102,6 +102,10 @@ class DaemonConfig:
     # SIGTERM: stop taking puts, leave the index, serve reads already handed out for at most
     # this long (the service tells how long its leases on our blocks still run), then exit.
     drain_timeout_s: float = 15.0
+    # Reads without a lease (known locations, frames.DIRECT) are served for this long into a
+    # drain (within drain_timeout_s), so that a get whose requests were under way when the drain
+    # began completes; later ones are misses and go to the service, which no longer lists us.
+    drain_direct_grace_s: float = 1.0
     # A daemon retired for good: after its drain it also removes its DRAM segment from
     # shm_dir (by default the segment stays, so that a restart reattaches it warm).
     remove_segment_on_drain: bool = False
@@ -325,6 +329,7 @@ def validate(cfg: Config) -> None:
         if not -1 <= v <= 65535:
             raise InvalidArgument(f"{section}.metrics_port: must be -1 (off), 0 (any) or a port number, got {v}")
     positive("daemon", "drain_timeout_s", allow_zero=True)
+    positive("daemon", "drain_direct_grace_s", allow_zero=True)
     one_of("daemon", "ssd_durability", ("fast", "durable"))
     one_of("daemon", "ssd_compress", ("auto", "off"))
     one_of("client", "transport", ("auto", "shm", "tcp"))

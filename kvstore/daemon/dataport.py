@@ -25,6 +25,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -131,7 +132,10 @@ class DataPort:
             "staged": 0, "staged_bytes": 0,
         }  # fmt: skip
         self.active = 0  # requests being served (a drain waits for 0)
-        self.draining = False  # reads without a lease are misses (see frames.DIRECT)
+        # Reads without a lease (frames.DIRECT) are served until this monotonic time (a drain
+        # sets it); after it they are misses. last_direct: when one was last served.
+        self.direct_until = float("inf")
+        self.last_direct = 0.0
         self.staging = staging  # where same-host readers get SSD blocks (frames.STAGED)
         self._local = threading.local()
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dataport-io")
@@ -246,11 +250,20 @@ class DataPort:
             raise
 
     def _read(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list, flags: int) -> None:
-        if flags & DIRECT and self.draining:
-            # Reads without a lease, once this daemon's blocks have left the index: misses.
-            conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0))
-            conn.sendall(bytes([EntryStatus.MISMATCH]) * len(entries))
-            return
+        if flags & DIRECT:
+            if time.monotonic() > self.direct_until:
+                # Without a lease, past a drain's grace (our blocks left the index): misses.
+                conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0))
+                conn.sendall(bytes([EntryStatus.MISMATCH]) * len(entries))
+                return
+            self.last_direct = time.monotonic()
+        self._serve_read(conn, op, req_id, entries, arenas, flags)
+        if flags & DIRECT:
+            self.last_direct = time.monotonic()
+
+    def _serve_read(
+        self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list, flags: int
+    ) -> None:
         sent = 0
         # SSD blocks are read ahead on the I/O pool (direct reads, verified there) while earlier
         # ones are being sent: the disk and the socket work at the same time.

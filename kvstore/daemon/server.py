@@ -49,6 +49,8 @@ from kvstore.tls import TlsConfig, add_port, aio_channel, check_listen, server_c
 from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2, meta_pb2_grpc
 
 log = logging.getLogger("kvstore.daemon")
+# A drain waits past its leases while reads without a lease came this recently (within its grace).
+_DIRECT_QUIET_S = 0.05
 
 DRAM_SEGMENT = 1
 SSD_SEGMENT = 2
@@ -342,12 +344,15 @@ class CacheDaemon:
         if self.draining:
             return
         self.draining = True
-        # Clients reading without a lease from here on get misses: the arena stops being
-        # served (its lock goes) and the data port answers their reads as mismatches.
-        self.dataport.draining = True
-        self.dram.unserve()
+        # Clients reading without a lease get misses from here on: the arena stops being served
+        # (its lock goes; a shared-memory get checks it once, as it starts), and the data port
+        # answers such reads as mismatches once the grace has passed (a get's requests that
+        # were under way complete).
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        grace = min(self.cfg.drain_direct_grace_s, self.cfg.drain_timeout_s)
+        self.dataport.direct_until = time.monotonic() + grace
+        self.dram.unserve()
         await self.health.set_serving(False)
         if self._hb_task:
             self._hb_task.cancel()
@@ -376,8 +381,9 @@ class CacheDaemon:
                 if leases == 0 or loop.time() >= deadline:
                     break
                 await asyncio.sleep(0.05)
-        # Data-port requests in progress finish (bounded by the same deadline).
-        while loop.time() < deadline and self.dataport.active > 0:
+        # Data-port requests in progress finish, and so do gets without a lease still reading
+        # within the grace (bounded by the same deadline).
+        while loop.time() < deadline and (self.dataport.active > 0 or self._direct_reading()):
             await asyncio.sleep(0.02)
         log.info("event=drained daemon=%s seconds=%.3f leases_left=%d", self.daemon_id, loop.time() - t0, leases)
         await self.stop()
@@ -385,6 +391,10 @@ class CacheDaemon:
             # Mappings clients still hold stay valid; the memory is freed when they let go.
             Path(self.dram.path).unlink(missing_ok=True)
             log.info("event=segment_removed daemon=%s path=%s", self.daemon_id, self.dram.path)
+
+    def _direct_reading(self) -> bool:
+        now = time.monotonic()
+        return now <= self.dataport.direct_until and now - self.dataport.last_direct < _DIRECT_QUIET_S
 
     async def stop(self) -> None:
         """Stops every part, each even if another failed (and logs what failed). Idempotent."""

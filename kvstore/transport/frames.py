@@ -22,7 +22,8 @@ staging region, :mod:`kvstore.daemon.staging`): SSD entries may then be answered
 ``STAGED`` and the u64 offset of their verified payload in that region instead of the payload;
 the response head's message names the region ("path\nsize\nslice bytes\ninode"). A READ head may carry the flag ``DIRECT``: the reader holds no lease, it reads from a location
 it learned earlier (:mod:`kvstore.client.locations`); a draining daemon, whose blocks have left
-the index, answers such entries as a mismatch (a miss) and serves only leased reads.
+the index, serves them only through ``daemon.drain_direct_grace_s`` (so that gets under way
+complete) and answers them as a mismatch (a miss) after it, serving only leased reads.
 ``expiry`` and ``mac`` are the entry's capability ticket from the metadata service
 (:mod:`kvstore.tickets`); a daemon that requires tickets refuses the frame when one does not
 match what its entry names, or has expired.
