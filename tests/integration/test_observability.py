@@ -177,7 +177,6 @@ def test_sigterm_drain_serves_reads_in_flight_and_blocks_leave_the_index(cluster
         d.p.send_signal(signal.SIGTERM)
         # Its blocks leave the index through the drain, not at the lease TTL (1.5 s here).
         wait_until(lambda: c.stats().keys == 0, timeout=10, interval=0.01)
-        left = time.monotonic() - t_sig
         s = c.stats()
         assert did not in {x.info.daemon_id for x in s.daemons}
         assert s.counters["daemons_drained"] == 1 and s.counters["daemons_lost"] == 0
