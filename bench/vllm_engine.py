@@ -98,7 +98,7 @@ def connector_config(meta: str, role: str = "kv_both", **extra: Any) -> Any:
 
 
 def engine_args(model: str | Path, kv_transfer_config: Any = None, **kw: Any) -> dict[str, Any]:
-    return dict(
+    args = dict(
         model=str(model),
         enforce_eager=True,
         block_size=BLOCK_SIZE,
@@ -107,8 +107,9 @@ def engine_args(model: str | Path, kv_transfer_config: Any = None, **kw: Any) ->
         seed=0,
         disable_log_stats=True,
         kv_transfer_config=kv_transfer_config,
-        **kw,
     )
+    args.update(kw)
+    return args
 
 
 def generate(
@@ -148,14 +149,19 @@ def generate(
 
 def replay(
     model: str | Path,
-    requests: list[list[int]],
+    work: dict[str, Any],
     meta: str = "",
     extra: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Sends ``requests`` (token ids) one at a time, each for its first token, and measures its
-    time to first token (the whole ``generate`` call: queueing, prefill, loads, one sample).
-    ``engine`` adds vLLM engine arguments (num_gpu_blocks_override, enable_prefix_caching)."""
+    """Sends requests one at a time and takes vLLM's own time to first token of each (from its
+    request metrics: queueing, prefill and loads until the first token).
+
+    ``work`` is either ``{"requests": [token ids, ...]}`` (one token each) or a multi-turn chat,
+    ``{"users": [[turn 0 of session 0, of session 1, ...], [turn 1 ...], ...], "assistant": N}``:
+    turn t of a session is its history (earlier turns and the model's greedy answers of N tokens)
+    plus its user message t; turns go round the sessions. ``engine`` adds vLLM engine arguments
+    (num_gpu_blocks_override, enable_prefix_caching). Returns the prompts it sent too."""
     import time
 
     from tqdm import tqdm
@@ -167,21 +173,44 @@ def replay(
 
     stats_file = Path(tempfile.mkdtemp(prefix="kvstore-vllm-")) / "stats.json"
     kv = connector_config(meta, "kv_both", stats_file=str(stats_file), **(extra or {})) if meta else None
-    llm = LLM(**engine_args(model, kv, distributed_executor_backend="uni", **(engine or {})))
-    sp = SamplingParams(temperature=0, max_tokens=1)
-    llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], sp, use_tqdm=False)  # warm-up
-    ttft, cached = [], []
-    for ids in tqdm(requests, desc="requests", unit="req", file=sys.stderr, mininterval=2.0):
+    args = engine_args(model, kv, distributed_executor_backend="uni", **(engine or {}))
+    args["disable_log_stats"] = False  # per-request metrics: the first token's latency
+    llm = LLM(**args)
+    llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1), use_tqdm=False)
+    ttft: list[float] = []
+    cached: list[int] = []
+    prompts: list[list[int]] = []
+
+    def send(ids: list[int], n: int) -> list[int]:
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         t = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
-        ttft.append(time.perf_counter() - t)
+        wall = time.perf_counter() - t
+        m = out.metrics
+        ttft.append(m.first_token_latency if m is not None and m.first_token_latency > 0 else wall)
         cached.append(int(out.num_cached_tokens or 0))
-    del llm
+        prompts.append(list(ids))
+        return list(out.outputs[0].token_ids)
+
+    if "requests" in work:
+        for ids in tqdm(work["requests"], desc="requests", unit="req", file=sys.stderr, mininterval=2.0):
+            send(ids, 1)
+    else:
+        turns = work["users"]
+        history = [[] for _ in turns[0]]
+        bar = tqdm(total=sum(len(t) for t in turns), desc="requests", unit="req", file=sys.stderr, mininterval=2.0)
+        for turn in turns:
+            for s, user in enumerate(turn):
+                history[s] = history[s] + list(user)
+                history[s] = history[s] + send(history[s], work["assistant"])
+                bar.update(1)
+        bar.close()
+    llm = None  # the engine shuts down: the connector flushes its saves and counters
     import gc
 
     gc.collect()
     stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
-    return {"ttft_s": ttft, "cached": cached, "stats": stats}
+    return {"ttft_s": ttft, "cached": cached, "prompts": prompts, "stats": stats}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--role", default="kv_both")
     ap.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config settings")
     ap.add_argument("--single-process", action="store_true", help="engine core and worker in this process")
-    ap.add_argument("--replay", action="store_true", help="prompts are token-id lists: time each one's first token")
+    ap.add_argument("--replay", action="store_true", help="--prompts holds a replay() workload: time first tokens")
     ap.add_argument("--engine", default="{}", help="JSON: more vLLM engine arguments (--replay)")
     a = ap.parse_args(argv)
     prompts = json.loads(Path(a.prompts).read_text())

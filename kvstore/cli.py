@@ -120,7 +120,7 @@ def _plugins() -> dict[str, Any]:
 BENCH_SUITES = {
     "policy": ["policy.py"],
     "store": ["store_throughput.py", "peers.py", "meta_capacity.py", "tier_throughput.py"],
-    "engine": ["engine_reuse.py"],
+    "engine": ["engine_reuse.py", "engine_integrations.py"],
     "gpu": ["gpu_copy.py"],
     "soak": ["soak.py"],
     "all": [
@@ -130,6 +130,7 @@ BENCH_SUITES = {
         "meta_capacity.py",
         "tier_throughput.py",
         "engine_reuse.py",
+        "engine_integrations.py",
         "soak.py",
     ],  # fmt: skip
 }
