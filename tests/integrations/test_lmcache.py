@@ -1,0 +1,127 @@
+"""kvstore as LMCache's second tier, end to end: ``lmcache server`` (its separate-process mode,
+which runs on CPU) with the kvstore plugin, vLLM's own ``LMCacheMPConnector`` in front, a real
+store behind. After the LMCache server restarts with an empty first tier, the prefix comes from
+kvstore and vLLM generates the same tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, flip_byte, wait_until
+
+from bench import vllm_engine as ve
+
+if ve.vllm_available():
+    pytest.skip(ve.vllm_available(), allow_module_level=True)
+pytest.importorskip("lmcache.v1.distributed.l2_adapters.base", reason="lmcache is not installed")
+if not shutil.which("lmcache", path=str(Path(sys.executable).parent)):
+    pytest.skip("the lmcache command is not installed", allow_module_level=True)
+
+from kvstore import SyncKVStoreClient  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+CHUNK = 64  # LMCache's chunk: two vLLM blocks of 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LMCacheServer:
+    def __init__(self, meta: str, log: Path) -> None:
+        self.port = free_port()
+        args = ve.lmcache_server_args(self.port, free_port(), meta, chunk=CHUNK)
+        args[0] = str(Path(sys.executable).parent / "lmcache")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}
+        self.log = log
+        self.out = open(log, "w")
+        self.p = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT)
+
+        def up() -> bool:
+            assert self.p.poll() is None, log.read_text()[-3000:]
+            return "cache server is running" in log.read_text()
+
+        wait_until(up, timeout=120, interval=0.5)
+
+    def stop(self) -> None:
+        self.p.terminate()
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        self.out.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run(
+        [sys.executable, "-c", f"from bench.vllm_engine import make_tiny_llama; make_tiny_llama({str(path)!r})"],
+        cwd=REPO,
+        check=True,
+        timeout=300,
+    )
+    return path
+
+
+def engine(model: Path, prompts: list[str], tmp: Path, *more: str) -> dict:
+    f = tmp / f"prompts-{time.monotonic_ns()}.json"
+    f.write_text(json.dumps(prompts))
+    args = [sys.executable, "-m", "bench.vllm_engine", "--model", str(model), "--prompts", str(f), *more]
+    env = {**os.environ, **ve.CPU_ENV, "PYTHONPATH": str(REPO), "LMCACHE_TRACK_USAGE": "false"}
+    p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"engine failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_a_restarted_lmcache_server_gets_the_prefix_from_kvstore(cluster, model, tmp_path):
+    cluster.start_meta()
+    cluster.start_daemon(dram="128MiB")
+    prompts = [ve.prompt(9 * CHUNK + 5, seed=1), ve.prompt(3 * CHUNK + 40, seed=2)]
+    alone = engine(model, prompts, tmp_path, "--single-process")
+    lm = LMCacheServer(cluster.meta_addr, tmp_path / "lmcache-1.log")
+    try:
+        first = engine(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
+        assert first["tokens"] == alone["tokens"]
+        with SyncKVStoreClient(cluster.meta_addr) as c:
+            wait_until(lambda: c.stats().keys >= 9 + 3)  # every full chunk reached the second tier
+    finally:
+        lm.stop()
+    # A new LMCache server (empty first tier) and a new vLLM engine: the chunks come from kvstore.
+    lm = LMCacheServer(cluster.meta_addr, tmp_path / "lmcache-2.log")
+    try:
+        second = engine(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
+        assert second["tokens"] == alone["tokens"]
+        assert second["cached"][0] >= 8 * CHUNK and second["cached"][1] >= 2 * CHUNK, second["cached"]
+    finally:
+        lm.stop()
+    # Every stored chunk corrupted in place (a flipped payload byte): kvstore's checksums turn the
+    # loads into misses, LMCache reports them as such, vLLM computes: the same tokens.
+    from kvstore.extent import HEADER_SIZE, MAGIC
+
+    raw = Path(cluster.shm_paths[0]).read_bytes()
+    flipped = 0
+    i = raw.find(MAGIC)
+    while i != -1:
+        flip_byte(cluster.shm_paths[0], i + HEADER_SIZE + 100)
+        flipped += 1
+        i = raw.find(MAGIC, i + HEADER_SIZE)
+    assert flipped >= 12
+    lm = LMCacheServer(cluster.meta_addr, tmp_path / "lmcache-3.log")
+    try:
+        third = engine(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
+        assert third["tokens"] == alone["tokens"]
+        assert third["cached"] == [0, 0]
+    finally:
+        lm.stop()
