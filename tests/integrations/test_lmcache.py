@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,35 +30,8 @@ pytestmark = pytest.mark.timeout(600)
 CHUNK = 64  # LMCache's chunk: two vLLM blocks of 32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LMCacheServer:
-    def __init__(self, meta: str, log: Path) -> None:
-        self.port = free_port()
-        args = ve.lmcache_server_args(self.port, free_port(), meta, chunk=CHUNK)
-        args[0] = str(Path(sys.executable).parent / "lmcache")
-        env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}
-        self.log = log
-        self.out = open(log, "w")
-        self.p = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT)
-
-        def up() -> bool:
-            assert self.p.poll() is None, log.read_text()[-3000:]
-            return "cache server is running" in log.read_text()
-
-        wait_until(up, timeout=120, interval=0.5)
-
-    def stop(self) -> None:
-        self.p.terminate()
-        try:
-            self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-        self.out.close()
+def LMCacheServer(meta: str, log: Path) -> ve.LMCacheServer:  # noqa: N802 - the class, with the test's chunk
+    return ve.LMCacheServer(meta, log, chunk=CHUNK)
 
 
 @pytest.fixture(scope="module")
