@@ -55,7 +55,7 @@ fi
 if [ "${KVSTORE_NO_LMCACHE:-0}" != "1" ] && "$VPY" -c "import vllm" 2>/dev/null \
     && ! "$VPY" -c "import lmcache" 2>/dev/null; then
   "$VPY" -m pip install -q --disable-pip-version-check --no-deps "lmcache==0.5.6" aiofile aiofiles caio awscrt \
-    nvtx "opentelemetry-exporter-prometheus==0.61b0" cufile-python setuptools-scm vcs-versioning \
+    nvtx "opentelemetry-exporter-prometheus==0.61b0" setuptools-scm vcs-versioning \
     || echo "setup: could not install lmcache; the LMCache plugin's test will be skipped" >&2
 fi
 # The peers of bench/peers.py (which fails without them unless told --skip NAME; its test skips

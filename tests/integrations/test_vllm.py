@@ -152,24 +152,20 @@ def test_prefill_decode_disaggregation(store, model, alone, tmp_path):
     assert dec["stats"]["blocks_saved"] == 0  # a consumer only loads
 
 
-def _free_port() -> int:
+def _free_port() -> int:  # noqa: D103
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_openai_server_with_the_connector(store, model, alone, tmp_path):
-    from openai import OpenAI
-
-    text = PROMPTS["api"]
-    run_engine(model, [text], tmp_path, store.meta_addr)  # stores the prefix
+def _server(model: Path, role: str, meta: str, log: Path) -> tuple[subprocess.Popen, int]:
     port = _free_port()
     kv = {
         "kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "kvstore.integrations.vllm",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"meta": store.meta_addr, "model_id": ve.MODEL_ID},
+        "kv_connector_extra_config": {"meta": meta, "model_id": ve.MODEL_ID},
     }
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -177,27 +173,54 @@ def test_openai_server_with_the_connector(store, model, alone, tmp_path):
         "--block-size", str(BS), "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
         "--kv-transfer-config", json.dumps(kv), "--enable-prompt-tokens-details",
     ]  # fmt: skip
-    log = open(tmp_path / "api_server.log", "w")
-    p = subprocess.Popen(args, cwd=REPO, env={**os.environ, **ve.CPU_ENV}, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    env = {**os.environ, **ve.CPU_ENV, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT), port
 
-        def up() -> bool:
-            assert p.poll() is None, (tmp_path / "api_server.log").read_text()[-4000:]
+
+def test_openai_servers_prefill_and_decode_behind_the_proxy(store, model, alone, tmp_path):
+    """(d, e) P/D with real servers: a prefill (kv_producer) and a decode (kv_consumer) vLLM OpenAI
+    server, the proxy in front, driven by the openai client, streamed and not."""
+    from openai import OpenAI
+
+    text = PROMPTS["api"]
+    procs = []
+    try:
+        pre, pre_port = _server(model, "kv_producer", store.meta_addr, tmp_path / "prefill.log")
+        dec, dec_port = _server(model, "kv_consumer", store.meta_addr, tmp_path / "decode.log")
+        procs += [pre, dec]
+        port = _free_port()
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.integrations.vllm.proxy", "--prefill", f"http://127.0.0.1:{pre_port}",
+             "--decode", f"http://127.0.0.1:{dec_port}", "--port", str(port)],
+            cwd=REPO, stdout=open(tmp_path / "proxy.log", "w"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        procs.append(proxy)
+        clients = {p: OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key="unused", max_retries=0, timeout=120)
+                   for p in (pre_port, dec_port, port)}  # fmt: skip
+
+        def up(p: int, proc: subprocess.Popen, log: str) -> bool:
+            assert proc.poll() is None, (tmp_path / log).read_text()[-4000:]
             try:
-                return bool(client.models.list().data)
+                return bool(clients[p].models.list().data)
             except Exception:  # noqa: BLE001 - not listening yet
                 return False
 
-        wait_until(up, timeout=240, interval=1.0)
-        r = client.completions.create(model="tiny", prompt=text, max_tokens=MAX_TOKENS, temperature=0)
+        wait_until(
+            lambda: up(pre_port, pre, "prefill.log") and up(dec_port, dec, "decode.log"), timeout=300, interval=1
+        )
+        wait_until(lambda: up(port, proxy, "proxy.log"), timeout=60, interval=0.5)
+        c = clients[port]
+        r = c.completions.create(model="tiny", prompt=text, max_tokens=MAX_TOKENS, temperature=0)
         assert r.choices[0].text == alone["api"][1]
-        # A fresh server: the prompt's first 4 blocks came from kvstore.
+        # The decode server had never seen the prompt: its first 4 blocks came from kvstore.
         assert r.usage.prompt_tokens_details.cached_tokens == 4 * BS
+        streamed = c.completions.create(model="tiny", prompt=text, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == alone["api"][1]
     finally:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-        log.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
