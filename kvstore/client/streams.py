@@ -3,8 +3,10 @@
 A unary gRPC call in Python costs a call's set-up on both sides, about half of a lookup's round
 trip; a stream pays it once. Requests are pipelined: callers write in turn (their futures queued in
 the same order), the service answers in order, and one reader task hands each answer to the oldest
-waiting caller. An error from the service ends the stream: every caller waiting on it gets that
-error (typed), and the next lookup opens a new stream. A service without the method (older) is
+waiting caller. A refusal from the service (bad input, permission) ends the stream: the caller
+whose request it answers (the oldest waiting) gets it, typed; the others, whose requests may be
+fine, are asked again with unary calls. A stream the transport ends (the service away, a gRPC core
+error) blames nobody: every waiting caller is asked again. The next lookup opens a new stream. A service without the method (older) is
 asked with unary calls from then on.
 """
 
@@ -20,6 +22,18 @@ import grpc
 from kvstore.errors import KVStoreError, Unavailable, from_rpc_error
 
 log = logging.getLogger("kvstore.client")
+# Statuses with which the service refuses one request (the one the stream was answering).
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 
 
 class LookupStream:
@@ -45,15 +59,22 @@ class LookupStream:
             self._waiting.append(fut)
             try:
                 await call.write(request)
-            except grpc.aio.AioRpcError as e:
-                self._reset(call, from_rpc_error(e))
-            except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-                self._reset(call, Unavailable(f"the lookup stream ended: {e}"))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                # The stream has ended: its reader hands the service's error to the caller it
+                # answers. This request never went out: it is asked again.
+                if fut in self._waiting:
+                    self._waiting.remove(fut)
+                fut.cancel()
+                fut = None
+                if self._reader is None or self._reader.done():  # no reader left to end it
+                    self._reset(call, None)
             except BaseException:
                 # Cancelled mid-write: whether the request went out is unknown, so answers could
-                # no longer be matched to callers. Start over.
-                self._reset(call, Unavailable("a lookup was cancelled while it was being sent"))
+                # no longer be matched to callers. Start over; the others are asked again.
+                self._reset(call, None)
                 raise
+        if fut is None:
+            return await self._unary(request)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self._timeout_s)
         except asyncio.TimeoutError:
@@ -62,6 +83,8 @@ class LookupStream:
             raise Unavailable(f"no lookup answer within {self._timeout_s:.1f} s") from None
         except _Unimplemented:
             self._unsupported = True
+            return await self._unary(request)
+        except _AskAgain:
             return await self._unary(request)
 
     def _open(self) -> None:
@@ -82,23 +105,39 @@ class LookupStream:
                 else:
                     raise Unavailable("the lookup stream answered a request nobody asked")
         except asyncio.CancelledError:
-            self._reset(call, Unavailable("the client closed"))
+            self._reset(call, Unavailable("the client closed"), everyone=True)
             raise
         except grpc.aio.AioRpcError as e:
-            err = _Unimplemented() if e.code() == grpc.StatusCode.UNIMPLEMENTED else from_rpc_error(e)
-            self._reset(call, err)
+            code = e.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self._reset(call, _Unimplemented())
+            elif code in _REFUSALS:
+                self._reset(call, from_rpc_error(e))  # the service refused the oldest request
+            else:
+                # The transport ended it (unavailable, cancelled, an internal error of the gRPC
+                # core when a write raced the end): no request is to blame; all are asked again.
+                self._reset(call, None)
         except KVStoreError as e:
             self._reset(call, e)
 
-    def _reset(self, call: Any, err: Exception) -> None:
+    def _reset(self, call: Any, err: Exception | None, everyone: bool = False) -> None:
+        """Ends the stream: the oldest waiting caller gets ``err`` (its request is the one the
+        service answered with it); the others are asked again (unary), unless ``everyone`` fails.
+        Without ``err`` every waiting caller is asked again."""
         if call is not self._call or call is None:
             return
         self._call = None
         call.cancel()
         waiting, self._waiting = self._waiting, deque()
+        first = err is not None
         for fut in waiting:
-            if not fut.done():
+            if fut.done():
+                continue
+            if first or (err is not None and (everyone or isinstance(err, _Unimplemented))):
                 fut.set_exception(err)
+            else:
+                fut.set_exception(_AskAgain())
+            first = False
         if self._reader is not None and self._reader is not asyncio.current_task():
             self._reader.cancel()
         self._reader = None
@@ -108,7 +147,7 @@ class LookupStream:
         call, reader = self._call, self._reader
         if call is None:
             return
-        self._reset(call, Unavailable("the client closed"))
+        self._reset(call, Unavailable("the client closed"), everyone=True)
         # Let the cancelled call and its reader finish before the channel closes.
         if reader is not None:
             await asyncio.gather(reader, return_exceptions=True)
@@ -120,3 +159,7 @@ class LookupStream:
 
 class _Unimplemented(Exception):
     """The service has no LookupStream."""
+
+
+class _AskAgain(Exception):
+    """The stream ended on another caller's request: this one is asked again."""

@@ -8,12 +8,14 @@ in the calling thread instead (no hop to the loop). Safe to call from several th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from kvstore.client.client import KVStoreClient, PutResult
 from kvstore.config import ClientConfig
+from kvstore.errors import Unavailable
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.tls import TlsConfig
 
@@ -25,6 +27,9 @@ class SyncKVStoreClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
         self._thread.start()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._pending: set[concurrent.futures.Future] = set()
         self._client: KVStoreClient = self._run(self._make(meta, config, tls))
 
     @staticmethod
@@ -32,7 +37,21 @@ class SyncKVStoreClient:
         return KVStoreClient(meta, config, tls)
 
     def _run(self, coro):  # noqa: ANN001, ANN202
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Runs ``coro`` on the client's loop. A call on a closed client, or one that close()
+        cut short, raises Unavailable (never hangs, never an untyped error)."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise Unavailable("the client is closed")
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._pending.add(fut)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            raise Unavailable("the client was closed during the call") from None
+        finally:
+            with self._lock:
+                self._pending.discard(fut)
 
     def __enter__(self) -> SyncKVStoreClient:
         return self
@@ -41,12 +60,20 @@ class SyncKVStoreClient:
         self.close()
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._run(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        """Closes the client; calls in progress in other threads end with Unavailable."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+        for fut in pending:
+            fut.cancel()
+        try:
+            asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
 
     def lookup(self, keys: Sequence[bytes] | bytes) -> int:
         return self._run(self._client.lookup(keys))
@@ -56,6 +83,8 @@ class SyncKVStoreClient:
 
     def get_into(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
         # Known blocks are read here, in the caller's thread; the rest through the event loop.
+        if self._closed:
+            raise Unavailable("the client is closed")
         done = self._client.get_known(keys, buffers)
         if done == len(buffers):
             return done

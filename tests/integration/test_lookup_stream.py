@@ -58,3 +58,23 @@ def test_bad_input_ends_the_stream_with_a_typed_error_and_the_client_carries_on(
             assert await c.lookup(chain(3)) == 0
 
     asyncio.run(go())
+
+
+def test_a_request_the_service_refuses_fails_only_its_own_caller(cluster):
+    """The service takes batches of at most 100 keys: a lookup of 150 is refused on the stream, and
+    the lookups pipelined with it on the same stream still get their answers."""
+    cluster.start_meta("meta.max_batch_keys=100")
+    cluster.start_daemon()
+    keys = chain(150)
+
+    async def go() -> None:
+        async with KVStoreClient(cluster.meta_addr) as c:
+            await c.put(keys[:30], [np.full(1024, i, np.uint8) for i in range(30)])
+            for _ in range(5):
+                calls = [c.lookup(keys[:n]) for n in (10, 20, 40)]
+                calls.insert(1, c.lookup(keys))
+                got = await asyncio.gather(*calls, return_exceptions=True)
+                assert isinstance(got[1], InvalidArgument) and "over the limit of 100" in str(got[1])
+                assert got[:1] + got[2:] == [10, 20, 30]
+
+    asyncio.run(go())
