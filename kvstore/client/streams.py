@@ -95,8 +95,9 @@ class LookupStream:
         try:
             while True:
                 resp = await call.read()
-                if resp is grpc.aio.EOF:
-                    raise Unavailable("the lookup stream ended")
+                if resp is grpc.aio.EOF:  # ended cleanly: no request to blame, all asked again
+                    self._reset(call, None)
+                    return
                 while self._waiting:
                     fut = self._waiting.popleft()
                     if not fut.done():

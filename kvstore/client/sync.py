@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from kvstore.config import ClientConfig
 from kvstore.errors import Unavailable
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.tls import TlsConfig
+
+_CLOSE_GRACE_S = 2.0  # how long close() lets calls in progress finish before it cancels them
 
 
 class SyncKVStoreClient:
@@ -30,7 +33,15 @@ class SyncKVStoreClient:
         self._closed = False
         self._lock = threading.Lock()
         self._pending: set[concurrent.futures.Future] = set()
-        self._client: KVStoreClient = self._run(self._make(meta, config, tls))
+        self._readers = 0  # get_known calls in callers' threads (close waits for them)
+        try:
+            self._client: KVStoreClient = self._run(self._make(meta, config, tls))
+        except BaseException:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            raise
 
     @staticmethod
     async def _make(meta: str | None, config: ClientConfig | None, tls: TlsConfig | None) -> KVStoreClient:
@@ -60,14 +71,20 @@ class SyncKVStoreClient:
         self.close()
 
     def close(self) -> None:
-        """Closes the client; calls in progress in other threads end with Unavailable."""
+        """Closes the client. Calls in progress in other threads get a moment to finish (copies
+        into their buffers end before they return); those still waiting after it (on a service
+        that does not answer) end with Unavailable."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout=_CLOSE_GRACE_S)
         for fut in pending:
             fut.cancel()
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        while self._readers and time.monotonic() < deadline:  # shared-memory reads end first
+            time.sleep(0.001)
         try:
             asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
         finally:
@@ -83,9 +100,15 @@ class SyncKVStoreClient:
 
     def get_into(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
         # Known blocks are read here, in the caller's thread; the rest through the event loop.
-        if self._closed:
-            raise Unavailable("the client is closed")
-        done = self._client.get_known(keys, buffers)
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the client is closed")
+            self._readers += 1
+        try:
+            done = self._client.get_known(keys, buffers)
+        finally:
+            with self._lock:
+                self._readers -= 1
         if done == len(buffers):
             return done
         rest = pack_keys(keys)[done * KEY_BYTES :]

@@ -77,15 +77,20 @@ class Writes:
             places = locations_from_pb(resp.placements, len(alloc))
             total = sum(srcs[i].size for i in alloc)
             args = (packed, alloc, places, srcs)
+            copy = None
             try:
                 if total > INLINE_COPY_BYTES:
-                    sums, written, failed = await asyncio.get_running_loop().run_in_executor(
-                        self._pool, self._write_all, *args
-                    )
+                    copy = asyncio.get_running_loop().run_in_executor(self._pool, self._write_all, *args)
+                    sums, written, failed = await copy
                 else:
                     sums, written, failed = self._write_all(*args)
             except BaseException:
-                self._abort(resp.put_id)  # the reservation goes now, not at its deadline
+                if copy is not None and not copy.done():
+                    # Cancelled while its thread still writes into the reservation: it is given
+                    # up once that copy has ended, so that no other put gets those bytes first.
+                    copy.add_done_callback(lambda _f, put_id=resp.put_id: self._abort(put_id))
+                else:
+                    self._abort(resp.put_id)  # the reservation goes now, not at its deadline
                 raise
             commit = await self._rpc(
                 self._stub.PutCommit,

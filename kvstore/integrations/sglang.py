@@ -10,8 +10,9 @@ Extra config: ``meta`` (default ``$KVSTORE_META`` or ``127.0.0.1:7100``), ``name
 pages of its host memory pool to read and write in place; 0: whole pages as tensors).
 
 Keys: SGLang names a page by a hash chained over the tokens before it; a kvstore key is a 128-bit
-hash of that name, the namespace and the shard identity (model, tensor/pipeline/context-parallel
-rank and size; MLA KV, the same on every TP rank, is shared across them). With ``interface_v1``
+hash of that name, the namespace, the shard identity (model, tensor/pipeline/context-parallel
+rank and size; MLA KV, the same on every TP rank, is shared across them) and the host pool's page
+geometry (layout, dtype, page size, layers, heads). With ``interface_v1``
 a page is the buffers the host pool lays it out in (K and V, per layer for ``layer_first``): each
 is one kvstore block, read and written in place, and a page is present only when all its buffers
 are. Every read is checksum-verified; a page that is missing, evicted or corrupted is a miss
@@ -74,6 +75,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._client: Any = None
         self._lock = threading.Lock()
         self._parts: int | None = None  # buffers per page of the host pool (interface_v1)
+        self._pool_scope = b""
         self.counters: Counter[str] = Counter()
         if mem_pool_host is not None:
             self.register_mem_pool_host(mem_pool_host)
@@ -91,7 +93,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def key(self, page: str, part: int = -1) -> bytes:
         """The kvstore key of one of SGLang's pages (or of one buffer of it)."""
         h = xxhash.xxh3_128()
-        for b in (b"kvstore-sglang-v1", self.namespace.encode(), self.scope, str(page).encode(), str(part).encode()):
+        parts = (
+            b"kvstore-sglang-v1",
+            self.namespace.encode(),
+            self.scope,
+            self._pool_scope,
+            str(page).encode(),
+            b"%d" % part,
+        )
+        for b in parts:
             h.update(len(b).to_bytes(4, "little"))
             h.update(b)
         return h.digest()
@@ -100,8 +110,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return [self.key(k, j) for k in keys for j in range(parts)]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Also scopes the keys by how the pool lays a page out (layout, dtype, page size, layers,
+        heads): the same page in another layout or dtype has other bytes of the same size."""
         super().register_mem_pool_host(mem_pool_host)
         self._parts = None
+        h = mem_pool_host
+        geometry = [getattr(h, a, None) for a in ("layout", "dtype", "page_size", "layer_num", "head_num", "head_dim")]
+        self._pool_scope = "|".join(str(x) for x in geometry).encode()
 
     def _parts_per_page(self) -> int:
         if self._parts is None:

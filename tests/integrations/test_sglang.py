@@ -111,6 +111,9 @@ def test_whole_page_tensors_and_scopes_that_never_share(store):
     assert KVStoreHiCacheStorage(config(store.meta_addr, model="other", v1=False), None, host).batch_exists(keys) == 0
     assert KVStoreHiCacheStorage(config(store.meta_addr, tp_rank=1, v1=False), None, host).batch_exists(keys) == 0
     assert KVStoreHiCacheStorage(config(store.meta_addr, v1=False), None, host).batch_exists(keys) == 3
+    # The same pages in a pool of another layout have other bytes of the same size: other keys.
+    other = host_pool("page_first")
+    assert KVStoreHiCacheStorage(config(store.meta_addr, v1=False), None, other).batch_exists(keys) == 0
 
 
 def test_a_store_that_is_gone_means_misses(cluster):

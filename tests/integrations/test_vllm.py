@@ -33,7 +33,7 @@ BS = ve.BLOCK_SIZE
 # The prompt lengths the contract names: 1, one block - 1, one block, one block + 1, many blocks.
 LENGTHS = [1, BS - 1, BS, BS + 1, 7 * BS + 5]
 # The tiny model's key scope, as the connector computes it (fingerprint() in the connector).
-FP = ModelFingerprint(ve.MODEL_ID, "float32", 2, 2, 64, BS, 0, 1, "vllm:cpu")
+FP = ModelFingerprint(ve.MODEL_ID, "float32", 2, 2, 64, BS, 0, 1, "vllm:cpu|pp1")
 BLOCK_BYTES = 2 * 2 * BS * 2 * 64 * 4  # layers x kv heads x tokens x (K and V) x head_dim x float32
 
 
@@ -127,7 +127,10 @@ def test_store_gone_or_block_corrupted_means_recompute_with_the_same_tokens(clus
     # The control: a block with wrong bytes that pass their checksum (stored anew under the
     # right key) does change what is generated, so the comparisons above can fail.
     with SyncKVStoreClient(cluster.meta_addr) as c:
-        wait_until(lambda: c.lookup(keys) == 3)  # the corrupt replica was dropped
+        # The corrupt replica was dropped, and the blocks vLLM recomputed were stored again.
+        wait_until(lambda: c.lookup(keys) == 8)
+        assert c.get_into(keys, [np.empty(BLOCK_BYTES, np.uint8) for _ in keys]) == 8
+        assert c.stats().counters["corrupt_reported"] >= 1
         c.remove(keys[3:])
         rng = np.random.default_rng(0)
         noise = [rng.standard_normal(BLOCK_BYTES // 4).astype(np.float32).view(np.uint8) for _ in keys[3:]]

@@ -195,3 +195,42 @@ def test_paged_blocks_refuse_what_they_cannot_address():
         pb.gather([6])
     with pytest.raises(InvalidArgument):
         PagedBlocks({}, 6)
+
+
+def test_a_failed_load_drops_its_steps_saves_and_they_are_planned_again():
+    store = FakeStore()
+    prompt = list(range(21))  # 5 full blocks
+    store.keys.update(KS.block_keys(prompt)[:3])
+    p = planner(store)
+    r = request("a", prompt)
+    assert p.matched(r, 0) == 12
+    p.allocated(r, 12)
+    loads, saves = p.step(new_step("a", [10, 11, 12, 13, 14, 15], computed=12, scheduled=9))
+    assert [t.first for t in loads] == [0] and [(t.first, t.block_ids) for t in saves] == [(3, [13, 14])]
+    # The worker got only block 0 of the load and dropped the saves: the store holds 1 block, and
+    # blocks from 1 on are saved again once vLLM has recomputed them.
+    p.failed([("a", 1)], [("a", 3)])
+    assert p.requests["a"].stored == 1 and p.requests["a"].saved == 1
+    _, saves = p.step(cached_step("a", None, computed=21, scheduled=1))
+    assert [(t.first, t.block_ids) for t in saves] == [(1, [11, 12, 13, 14])]
+
+
+def test_prompt_embeddings_and_inputs_that_change_turn_the_request_off():
+    store = FakeStore()
+    prompt = list(range(8))
+    store.keys.update(KS.block_keys(prompt))
+    p = planner(store)
+    assert p.matched(request("e", prompt, prompt_embeds=object()), 0) == 0
+    assert p.step(new_step("e", [1, 2], computed=0, scheduled=8)) == ([], [])
+    r = request("s", prompt)
+    assert p.matched(r, 0) == 4
+    r.mm_features = [SimpleNamespace(identifier="late-image", mm_position=SimpleNamespace(offset=6))]
+    assert p.step(new_step("s", [1, 2], computed=0, scheduled=8)) == ([], [])
+
+
+def test_each_parallel_rank_has_its_own_keys():
+    keys = b"".join(KS.block_keys(list(range(8))))
+    assert split_keys(keys) == [keys[:16], keys[16:]]
+    r0, r1 = split_keys(keys, "tp0/2|pp0/1"), split_keys(keys, "tp1/2|pp0/1")
+    assert len({*r0, *r1, keys[:16], keys[16:]}) == 6 and all(len(k) == 16 for k in r0 + r1)
+    assert split_keys(keys, "tp1/2|pp0/1") == r1  # the same for every process

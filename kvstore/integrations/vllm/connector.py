@@ -46,7 +46,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.config import ClientConfig
-from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.blocks import PagedBlocks
 from kvstore.integrations.vllm.plan import Planner, Transfer, split_keys
 from kvstore.keys import KeySpace, ModelFingerprint
@@ -70,10 +69,17 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
 
     loads: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     computes: list[tuple[int, float]] = field(default_factory=list)  # (prefill tokens, seconds)
+    short_loads: list[tuple[str, int]] = field(default_factory=list)  # (request, blocks it holds up to)
+    dropped_saves: list[tuple[str, int]] = field(default_factory=list)  # (request, first block dropped)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVStoreWorkerMetadata):
-            return KVStoreWorkerMetadata(self.loads + other.loads, self.computes + other.computes)
+            return KVStoreWorkerMetadata(
+                self.loads + other.loads,
+                self.computes + other.computes,
+                self.short_loads + other.short_loads,
+                self.dropped_saves + other.dropped_saves,
+            )
         return self
 
 
@@ -82,11 +88,16 @@ def _settings(vllm_config: Any) -> dict[str, Any]:
 
 
 def fingerprint(vllm_config: Any, tp_rank: int = 0) -> ModelFingerprint:
-    """The key scope of a vLLM model: two instances share blocks only if these are equal."""
+    """The key scope of a vLLM model: two instances share blocks only if these are equal. The keys
+    the scheduler computes are rank 0's; each worker of a tensor/pipeline-parallel group rehashes
+    them with its rank (:func:`plan.split_keys`), so every rank's part of a block has its own key."""
     s = _settings(vllm_config)
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
-    model_id = s.get("model_id") or (mc.served_model_name if isinstance(mc.served_model_name, str) else mc.model)
+    # The checkpoint itself (path or hub id, revision, quantization), not a served alias that a
+    # later deployment may give another model. Instances that load the same weights from
+    # different paths set model_id to share.
+    model_id = s.get("model_id") or f"{mc.model}@{mc.revision or ''}|quantization={mc.quantization or ''}"
     return ModelFingerprint(
         model_id=str(model_id),
         dtype=dtype,
@@ -96,8 +107,16 @@ def fingerprint(vllm_config: Any, tp_rank: int = 0) -> ModelFingerprint:
         block_size=cc.block_size,
         tp_rank=tp_rank,
         tp_size=pc.tensor_parallel_size,
-        layout=f"vllm:{vllm_config.device_config.device_type}",
+        layout=f"vllm:{vllm_config.device_config.device_type}|pp{pc.pipeline_parallel_size}",
     )
+
+
+def shard_tag(vllm_config: Any, tp_rank: int, pp_rank: int) -> str:
+    """A worker's rank, folded into its keys when there is more than one (see split_keys)."""
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size == 1 and pc.pipeline_parallel_size == 1:
+        return ""
+    return f"tp{tp_rank}/{pc.tensor_parallel_size}|pp{pp_rank}/{pc.pipeline_parallel_size}"
 
 
 def _client(settings: dict[str, Any]) -> Any:
@@ -119,6 +138,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = _settings(vllm_config)
+        try:
+            float(self.settings.get("rpc_timeout_s", 5.0))
+            int(self.settings.get("max_pending_saves", 64))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"kv_connector_extra_config: {e}") from None
         tc = vllm_config.kv_transfer_config
         self.producer = tc.kv_role == "kv_producer"
         self.consumer = tc.kv_role == "kv_consumer"
@@ -133,6 +157,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
         if role == KVConnectorRole.SCHEDULER:
             fp = fingerprint(vllm_config)
+            self.shard = shard_tag(vllm_config, 0, 0)  # lookups ask for rank 0's part
             import torch as _torch
 
             dt = getattr(_torch, fp.dtype, None)
@@ -148,18 +173,20 @@ class KVStoreConnector(KVConnectorBase_V1):
                 policy=self.settings.get("policy", "auto"),
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             try:
-                rank = get_tensor_model_parallel_rank()
+                rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
             except Exception:  # noqa: BLE001 - not initialized: a single worker
-                rank = 0
-            self.keyspace = KeySpace(fingerprint(vllm_config, rank), namespace=namespace)
+                rank, pp_rank = 0, 0
+            self.shard = shard_tag(vllm_config, rank, pp_rank)
+            self.block_size = vllm_config.cache_config.block_size
             self.blocks: PagedBlocks | None = None
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-load")
             self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-save")
             self._load: Future | None = None
             self._loaded: list[tuple[Transfer, Any, int]] | None = None
+            self._last_loaded: list[tuple[Transfer, Any, int]] = []
             self._layers_left: set[int] = set()
             self._load_errors: set[int] = set()
             self._pending: deque[Future] = deque()
@@ -182,7 +209,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             return self._store
 
     def _lookup(self, packed: bytes) -> int:
-        return self.store().lookup(packed)
+        return self.store().lookup(split_keys(packed, self.shard))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Loads land in the paged cache layer by layer as attention runs (wait_for_layer_load): a
+        # full CUDA graph would replay attention without those calls.
+        return True
 
     # ---- scheduler side -----------------------------------------------------------------------
 
@@ -205,6 +238,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.planner.cost.observe_load(nbytes, s)
             for tokens, s in meta.computes:
                 self.planner.cost.observe_compute(tokens, s)
+            if meta.short_loads or meta.dropped_saves:
+                self.planner.failed(meta.short_loads, meta.dropped_saves)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.finished(request.request_id)
@@ -237,8 +272,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             buf = self.blocks.buffer(len(t))  # type: ignore[union-attr]
             t0 = time.perf_counter()
             try:
-                n = self.store().get_into(split_keys(t.keys), list(buf))
-            except (KVStoreError, OSError, ValueError) as e:
+                n = self.store().get_into(split_keys(t.keys, self.shard), list(buf))
+            except Exception as e:  # noqa: BLE001 - a load that fails is recomputed, never vLLM's crash
                 self.counters["load_errors"] += 1
                 log.warning("event=load_failed request=%s blocks=%d reason=%r", t.req_id, len(t), str(e))
                 n = 0
@@ -254,10 +289,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             for t, _buf, n in self._loaded:
                 self.counters["loads"] += 1
                 self.counters["blocks_loaded"] += n
-                self.counters["tokens_loaded"] += n * self.keyspace.block_size
+                self.counters["tokens_loaded"] += n * self.block_size
                 if n < len(t):
                     self.counters["blocks_failed"] += len(t) - n
                     self._load_errors.update(t.block_ids[n:])
+                    self._measured.short_loads.append((t.req_id, t.first + n))
                     log.info("event=short_load request=%s loaded=%d of=%d", t.req_id, n, len(t))
         return self._loaded or []
 
@@ -287,6 +323,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         for layer in sorted(self._layers_left):  # layers the forward pass did not wait for
             self._scatter(layer)
+        self._last_loaded = self._loaded or []
         self._loaded = None
         end = time.perf_counter()
         if self._forward_t0 is not None and meta.prefill_tokens > 0:
@@ -294,6 +331,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._forward_t0 = None
         self._scatter_s = 0.0
         futs = []
+        if any(n < len(t) for t, _buf, n in self._last_loaded):
+            # A load of this step failed: blocks computed in it may rest on unloaded KV (vLLM
+            # recomputes them); none is saved, and the scheduler plans them again.
+            self.counters["saves_dropped"] += sum(len(t) for t in meta.saves)
+            self._measured.dropped_saves += [(t.req_id, t.first) for t in meta.saves]
+            meta = KVStoreConnectorMetadata(meta.loads, [], meta.prefill_tokens)
+        self._last_loaded = []
         for t in meta.saves:
             f = self._save(t)
             if f is not None:
@@ -317,9 +361,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _put(self, t: Transfer, data: Any) -> None:
         try:
-            r = self.store().put(split_keys(t.keys), list(data))
+            r = self.store().put(split_keys(t.keys, self.shard), list(data))
             self.counters["blocks_saved"] += r.stored + r.skipped
-        except (KVStoreError, OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a save that fails is a later miss, never vLLM's crash
             self.counters["save_failures"] += 1
             log.warning("event=save_failed request=%s blocks=%d reason=%r", t.req_id, len(t), str(e))
 
@@ -338,8 +382,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         path = Path(self._stats_file)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.counters))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(self.counters))
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("event=stats_not_written path=%s reason=%r", path, str(e))
 
     def shutdown(self) -> None:
         if self.role != KVConnectorRole.SCHEDULER:

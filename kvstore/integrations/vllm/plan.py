@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import KVStoreError
+import xxhash
+
 from kvstore.integrations.cost import LoadCost
 from kvstore.keys import KEY_BYTES, KeySpace
 
@@ -33,6 +34,7 @@ class Transfer:
     req_id: str
     keys: bytes  # packed, 16 bytes per block
     block_ids: list[int]
+    first: int = 0  # index in the request of its first block
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -48,6 +50,7 @@ class _Request:
     local: int = 0  # tokens vLLM had computed (its own prefix cache) when it asked
     load: int = 0  # tokens to load, decided at the last ask, until the step that loads them
     block_ids: list[int] = field(default_factory=list)
+    off: bool = False  # its KV cannot be keyed by its tokens (prompt embeddings, inputs that changed)
 
 
 @dataclass
@@ -115,13 +118,15 @@ class Planner:
         prompt = request.prompt_token_ids or []
         bs = self.block_size
         full = len(prompt) // bs
-        if not self.load or full == 0:
+        if getattr(request, "prompt_embeds", None) is not None:
+            r.off = True  # the tokens do not say what the KV was computed from
+        if not self.load or full == 0 or r.off:
             return 0
-        keys = self._keys(r, prompt, full)
         self.stats.lookups += 1
         try:
+            keys = self._keys(r, prompt, full)
             hit = self.lookup(b"".join(keys[:full]))
-        except (KVStoreError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - a store that cannot answer is a miss, never vLLM's crash
             self.stats.lookup_failures += 1
             log.warning("event=lookup_failed request=%s reason=%r", request.request_id, str(e))
             return 0
@@ -169,6 +174,20 @@ class Planner:
     def finished(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
 
+    def failed(self, loads: list[tuple[str, int]], saves: list[tuple[str, int]]) -> None:
+        """What a worker could not do: loads that stopped at block ``upto`` of their request (the
+        store holds less than the lookup said), and saves from block ``first`` on that it dropped
+        (computed in a step whose load failed): they are planned again."""
+        for req_id, upto in loads:
+            r = self.requests.get(req_id)
+            if r is not None:
+                r.stored = min(r.stored, upto)
+                r.saved = min(r.saved, upto)
+        for req_id, first in saves:
+            r = self.requests.get(req_id)
+            if r is not None:
+                r.saved = min(r.saved, first)
+
     # ---- inside ----------------------------------------------------------------------------
 
     def _state(self, request: Any) -> _Request:
@@ -190,12 +209,16 @@ class Planner:
         self, r: _Request, req_id: str, computed: int, scheduled: int, loads: list[Transfer], saves: list[Transfer]
     ) -> None:
         bs = self.block_size
+        if not r.off and r.extra != request_extra(r.request):
+            r.off = True  # inputs added after it started (a streaming session): its keys no longer hold
+        if r.off:
+            return
         if r.load > 0:
             first = r.local // bs
             last = (r.local + r.load) // bs
             r.load = 0
             if last > first and last <= len(r.block_ids) and last <= len(r.keys):
-                loads.append(Transfer(req_id, b"".join(r.keys[first:last]), r.block_ids[first:last]))
+                loads.append(Transfer(req_id, b"".join(r.keys[first:last]), r.block_ids[first:last], first))
         if not self.save:
             return
         tokens = r.request.all_token_ids
@@ -209,10 +232,17 @@ class Planner:
         if done <= start:
             return
         keys = self._keys(r, tokens, done)
-        saves.append(Transfer(req_id, b"".join(keys[start:done]), r.block_ids[start:done]))
+        saves.append(Transfer(req_id, b"".join(keys[start:done]), r.block_ids[start:done], start))
         self.stats.blocks_planned_to_save += done - start
         r.saved = done
 
 
-def split_keys(packed: bytes) -> list[bytes]:
-    return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+def split_keys(packed: bytes, shard: str = "") -> list[bytes]:
+    """The keys of a packed run; with ``shard`` (a worker's tensor/pipeline-parallel rank, when
+    there is more than one), each key is rehashed with it: every rank stores its own part of a
+    block under its own key."""
+    keys = [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+    if not shard:
+        return keys
+    tag = shard.encode()
+    return [xxhash.xxh3_128_digest(k + tag) for k in keys]
