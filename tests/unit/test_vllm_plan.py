@@ -98,6 +98,26 @@ def test_local_hits_count_and_misses_are_not_errors():
     assert p.stats.lookup_failures == 1
 
 
+def test_a_store_that_fails_is_not_asked_again_until_its_backoff_has_passed():
+    store = FakeStore()
+    prompt = list(range(8))
+    store.keys.update(KS.block_keys(prompt))
+    now = [100.0]
+    p = Planner(KS, store.lookup, block_bytes=1024, clock=lambda: now[0])
+    store.down = True
+    assert p.matched(request("a", prompt), 0) == 0 and store.calls == 1
+    assert p.matched(request("b", prompt), 0) == 0 and store.calls == 1  # within 1 s: not asked
+    now[0] += 1.1
+    assert p.matched(request("c", prompt), 0) == 0 and store.calls == 2  # failed again: 2 s now
+    now[0] += 1.5
+    assert p.matched(request("d", prompt), 0) == 0 and store.calls == 2
+    store.down = False
+    now[0] += 1.0
+    assert p.matched(request("e", prompt), 0) == 4 and store.calls == 3  # back: answers as before
+    assert p.matched(request("f", prompt), 0) == 4 and store.calls == 4
+    assert p.stats.lookups_skipped == 2
+
+
 def test_saves_follow_the_blocks_each_step_completes_decode_included():
     store = FakeStore()
     prompt = list(range(10))

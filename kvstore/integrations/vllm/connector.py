@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.config import ClientConfig
 from kvstore.integrations.vllm.blocks import PagedBlocks
-from kvstore.integrations.vllm.plan import Planner, Transfer, split_keys
+from kvstore.integrations.vllm.plan import BACKOFF_MAX_S, BACKOFF_MIN_S, Planner, Transfer, split_keys
 from kvstore.keys import KeySpace, ModelFingerprint
 
 if TYPE_CHECKING:
@@ -190,6 +190,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._layers_left: set[int] = set()
             self._load_errors: set[int] = set()
             self._pending: deque[Future] = deque()
+            self._save_quiet_until = 0.0
+            self._save_backoff = 0.0
             self._measured = KVStoreWorkerMetadata()
             self._forward_t0: float | None = None
             self._scatter_s = 0.0
@@ -351,6 +353,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _save(self, t: Transfer) -> Future | None:
         while self._pending and self._pending[0].done():
             self._pending.popleft()
+        if time.monotonic() < self._save_quiet_until:  # the store failed a save a moment ago
+            self.counters["saves_dropped"] += len(t)
+            return None
         if len(self._pending) >= self.max_pending_saves and not self.producer:
             self.counters["saves_dropped"] += len(t)
             return None
@@ -363,8 +368,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         try:
             r = self.store().put(split_keys(t.keys, self.shard), list(data))
             self.counters["blocks_saved"] += r.stored + r.skipped
+            self._save_backoff = 0.0
         except Exception as e:  # noqa: BLE001 - a save that fails is a later miss, never vLLM's crash
             self.counters["save_failures"] += 1
+            # Saves are not tried again for a while (doubling), so that a producer does not wait
+            # for a store that cannot answer step after step.
+            self._save_backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, 2 * self._save_backoff))
+            self._save_quiet_until = time.monotonic() + self._save_backoff
             log.warning("event=save_failed request=%s blocks=%d reason=%r", t.req_id, len(t), str(e))
 
     def get_block_ids_with_load_errors(self) -> set[int]:

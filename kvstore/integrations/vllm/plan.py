@@ -15,6 +15,7 @@ lists: loads (stored blocks into freshly allocated ones, before the forward pass
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ from kvstore.integrations.cost import LoadCost
 from kvstore.keys import KEY_BYTES, KeySpace
 
 log = logging.getLogger("kvstore.vllm")
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 30.0
 
 
 @dataclass(slots=True)
@@ -57,6 +60,7 @@ class _Request:
 class PlannerStats:
     lookups: int = 0
     lookup_failures: int = 0
+    lookups_skipped: int = 0  # not asked: the store failed the last one, less than a backoff ago
     tokens_matched: int = 0  # tokens vLLM was told to load
     loads_skipped: int = 0  # recomputing judged cheaper
     blocks_planned_to_save: int = 0
@@ -92,6 +96,7 @@ class Planner:
         save_decode: bool = True,
         policy: str = "auto",
         cost: LoadCost | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in ("auto", "always", "never"):
             raise ValueError(f"load policy must be auto, always or never, got {policy!r}")
@@ -106,6 +111,11 @@ class Planner:
         self.cost = cost or LoadCost()
         self.stats = PlannerStats()
         self.requests: dict[str, _Request] = {}
+        # A store that cannot answer is not asked again for a while (doubling, up to a limit), so
+        # that vLLM's scheduler, which waits for each lookup, is not held up request after request.
+        self.clock = clock
+        self._quiet_until = 0.0
+        self._backoff = 0.0
 
     # ---- asked by vLLM's scheduler --------------------------------------------------------
 
@@ -122,14 +132,23 @@ class Planner:
             r.off = True  # the tokens do not say what the KV was computed from
         if not self.load or full == 0 or r.off:
             return 0
+        if self.clock() < self._quiet_until:
+            self.stats.lookups_skipped += 1
+            return 0
         self.stats.lookups += 1
         try:
             keys = self._keys(r, prompt, full)
             hit = self.lookup(b"".join(keys[:full]))
         except Exception as e:  # noqa: BLE001 - a store that cannot answer is a miss, never vLLM's crash
             self.stats.lookup_failures += 1
-            log.warning("event=lookup_failed request=%s reason=%r", request.request_id, str(e))
+            self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, 2 * self._backoff))
+            self._quiet_until = self.clock() + self._backoff
+            log.warning(
+                "event=lookup_failed request=%s reason=%r next_lookup_in_s=%.1f",
+                request.request_id, str(e), self._backoff,
+            )  # fmt: skip
             return 0
+        self._backoff = 0.0
         r.stored = hit
         # At least the prompt's last token is computed: its logits start the decode.
         can = min(hit, (len(prompt) - 1) // bs) * bs - num_computed_tokens
