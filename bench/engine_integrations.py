@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import vllm_engine as ve  # noqa: E402
+from bench.peers_servers import KVStoreServer  # noqa: E402
 from bench.report import machine, update_section  # noqa: E402
 
 OUT = REPO / "bench" / "results"
@@ -82,55 +80,15 @@ def workload(p: dict, seed: int = 0) -> dict:
 def run(model: Path, work: dict, tmp: Path, meta: str = "", engine: dict | None = None, lmcache: int = 0) -> dict:
     f = tmp / f"requests-{time.monotonic_ns()}.json"
     f.write_text(json.dumps(work))
-    args = [sys.executable, "-m", "bench.vllm_engine", "--replay", "--model", str(model), "--prompts", str(f)]
-    args += ["--engine", json.dumps(engine or {})]
+    args = ["--replay", "--model", str(model), "--prompts", str(f), "--engine", json.dumps(engine or {})]
     if meta:
         args += ["--meta", meta]
     if lmcache:
         args += ["--lmcache-port", str(lmcache)]
-    env = {**os.environ, **ve.CPU_ENV, "PYTHONPATH": str(REPO), "LMCACHE_TRACK_USAGE": "false"}
-    p = subprocess.run(args, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        raise SystemExit(f"engine_integrations: a vLLM run failed (rc {p.returncode}): {p.stdout[-2000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Store:
-    """An embedded store (metadata service + daemon) in its own process."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.addr = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", self.addr, "--data-dir", str(tmp / "store")]
-        self.log = open(tmp / "store.log", "w")
-        self.p = subprocess.Popen(cmd + ["--dram", "1GiB"], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        from kvstore import SyncKVStoreClient
-
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with SyncKVStoreClient(self.addr) as c:
-                    if c.stats().daemons:
-                        return
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            if time.monotonic() > deadline or self.p.poll() is not None:
-                raise SystemExit("engine_integrations: the store did not start; see " + self.log.name)
-            time.sleep(0.3)
-
-    def close(self) -> None:
-        self.p.terminate()
-        try:
-            self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-        self.log.close()
+    try:
+        return ve.run(args, timeout=None, progress=True)
+    except RuntimeError as e:
+        raise SystemExit(f"engine_integrations: {e}") from None
 
 
 def summary(r: dict) -> dict:
@@ -234,12 +192,15 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-integrations-"))
     model = ve.make_tiny_llama(tmp / "model", **MODEL)
     work = workload(p)
-    small = {"num_gpu_blocks_override": p["cache_blocks"], "max_model_len": 1024}
+    # vLLM needs one longest sequence to fit its cache (less a block): the longest prompt here is
+    # under 1000 tokens.
+    max_len = min(1024, (p["cache_blocks"] - 1) * ve.BLOCK_SIZE)
+    small = {"num_gpu_blocks_override": p["cache_blocks"], "max_model_len": max_len}
     n = p["sessions"] * p["turns"]
     res: dict = {"systems": {}}
     runs: dict = {}
     print(f"engine_integrations: {n} requests per configuration", file=sys.stderr)
-    for name, engine in (("recompute", {"enable_prefix_caching": False, "max_model_len": 1024}), ("vllm", small)):
+    for name, engine in (("recompute", {"enable_prefix_caching": False, "max_model_len": max_len}), ("vllm", small)):
         print(f"== {name}", file=sys.stderr)
         runs[name] = run(model, work, tmp, engine=engine)
     lmcache_note = ""
@@ -252,16 +213,16 @@ def main() -> int:
             lm.stop()
     except (RuntimeError, SystemExit, FileNotFoundError) as e:
         lmcache_note = f"not measured: LMCache did not run here ({str(e).splitlines()[0][:200]})"
-    store = Store(tmp)
+    store = KVStoreServer(tmp, "1GiB")
     try:
         print("== kvstore", file=sys.stderr)
-        runs["kvstore"] = run(model, work, tmp, store.addr, small)
+        runs["kvstore"] = run(model, work, tmp, store.meta, small)
         # Every session's last turn, as the first instance sent it, to a second instance.
         last = runs["kvstore"]["prompts"][-p["sessions"] :]
         print("== second", file=sys.stderr)
-        runs["second"] = second = run(model, {"requests": last}, tmp, store.addr, small)
+        runs["second"] = second = run(model, {"requests": last}, tmp, store.meta, small)
     finally:
-        store.close()
+        store.stop()
     for name, r in runs.items():
         res["systems"][name] = summary(r)
     # Greedy answers: every configuration must have sent the same prompts (same tokens generated).

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvstore.procs import free_port, start_listening
+
 # What makes vLLM run on a small CPU machine (see the README's vLLM section).
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -29,6 +31,7 @@ CPU_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
 }
+REPO = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 32  # vLLM's CPU backend takes multiples of 32
 MODEL_ID = "tiny-llama"  # the connector's model_id: instances that share blocks use the same
 
@@ -125,45 +128,25 @@ def lmcache_server_args(port: int, http_port: int, meta: str, l1_gb: float = 0.2
     ]  # fmt: skip
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LMCacheServer:
-    """An ``lmcache server`` process (kvstore as its second tier when given ``meta``)."""
+    """An ``lmcache server`` process (kvstore as its second tier when given ``meta``), ready once
+    its request port accepts connections."""
 
     def __init__(self, meta: str, log: Path, l1_gb: float = 0.25, chunk: int = 64, timeout: float = 120) -> None:
         import subprocess
-        import time
 
         self.port = free_port()
         args = lmcache_server_args(self.port, free_port(), meta, l1_gb, chunk)
         args[0] = str(Path(sys.executable).parent / "lmcache")
-        repo = Path(__file__).resolve().parent.parent
-        env = {**os.environ, "PYTHONPATH": str(repo), "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}
         self.log = Path(log)
-        self._out = open(self.log, "w")
-        self.p = subprocess.Popen(args, cwd=repo, env=env, stdout=self._out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while "cache server is running" not in self.log.read_text():
-            if self.p.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"lmcache server did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        with open(self.log, "w") as out:
+            self.child = start_listening(
+                args, self.port, "lmcache server", timeout, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO
+            )
 
     def stop(self) -> None:
-        import subprocess
-
-        self.p.terminate()
-        try:
-            self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-        self._out.close()
+        self.child.stop(30)
 
 
 def engine_args(model: str | Path, kv_transfer_config: Any = None, **kw: Any) -> dict[str, Any]:
@@ -181,6 +164,72 @@ def engine_args(model: str | Path, kv_transfer_config: Any = None, **kw: Any) ->
     return args
 
 
+class Engine:
+    """One vLLM engine (``LLM``) with kvstore's connector (given ``meta``), vLLM's LMCache one
+    (given ``lmcache_port``) or none; ``single_process`` runs vLLM's engine core and worker in this
+    process (much quicker to start; not with LMCache, whose import breaks vLLM's in-process worker
+    start). ``engine`` adds vLLM engine arguments."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        meta: str = "",
+        role: str = "kv_both",
+        extra: dict[str, Any] | None = None,
+        engine: dict[str, Any] | None = None,
+        lmcache_port: int = 0,
+        single_process: bool = False,
+    ) -> None:
+        os.environ.update(CPU_ENV)
+        more: dict[str, Any] = {}
+        if single_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            more["distributed_executor_backend"] = "uni"
+        from vllm import LLM
+
+        self.stats_file = Path(tempfile.mkdtemp(prefix="kvstore-vllm-")) / "stats.json"
+        kv = connector_config(meta, role, stats_file=str(self.stats_file), **(extra or {})) if meta else None
+        if lmcache_port:
+            kv = lmcache_config(lmcache_port)
+        self.llm: Any = LLM(**engine_args(model, kv, **more, **(engine or {})))
+
+    def close(self) -> dict[str, Any]:
+        """Shuts the engine down (the worker's connector flushes its saves and writes its
+        counters) and returns those counters."""
+        import gc
+
+        self.llm = None
+        gc.collect()
+        return json.loads(self.stats_file.read_text()) if self.stats_file.exists() else {}
+
+
+def run(args: list[str], timeout: float | None = 400, progress: bool = False) -> dict[str, Any]:
+    """``python -m bench.vllm_engine ARGS`` in a process of its own; its RESULT. With
+    ``progress`` its stderr (progress bars) goes to ours. Raises RuntimeError with the run's output
+    if it failed."""
+    import subprocess
+
+    env = {**os.environ, **CPU_ENV, "PYTHONPATH": str(REPO), "LMCACHE_TRACK_USAGE": "false"}
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.vllm_engine", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=None if progress else subprocess.PIPE, text=True, timeout=timeout,
+    )  # fmt: skip
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM run failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{(p.stderr or '')[-6000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def run_generate(model: str | Path, prompts: list[str], folder: Path, *args: str) -> dict[str, Any]:
+    """:func:`generate` on ``prompts`` in a process of its own (``args``: more options of the
+    command line); its RESULT."""
+    import time
+
+    f = Path(folder) / f"prompts-{time.monotonic_ns()}.json"
+    f.write_text(json.dumps(prompts))
+    return run(["--model", str(model), "--prompts", str(f), *args])
+
+
 def generate(
     model: str | Path,
     prompts: list[str],
@@ -191,32 +240,17 @@ def generate(
     single_process: bool = False,
     lmcache_port: int = 0,
 ) -> dict[str, Any]:
-    """Generates greedily; ``single_process`` runs vLLM's engine core and worker in this process
-    (much quicker to start; not with LMCache, whose import breaks vLLM's in-process worker start);
-    ``lmcache_port``: vLLM's LMCache connector to that ``lmcache server`` instead of kvstore's."""
-    os.environ.update(CPU_ENV)
-    more: dict[str, Any] = {}
-    if single_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        more["distributed_executor_backend"] = "uni"
-    from vllm import LLM, SamplingParams
+    """Generates greedily (see :class:`Engine` for the rest)."""
+    from vllm import SamplingParams
 
-    stats_file = Path(tempfile.mkdtemp(prefix="kvstore-vllm-")) / "stats.json"
-    kv = connector_config(meta, role, stats_file=str(stats_file), **(extra or {})) if meta else None
-    if lmcache_port:
-        kv = lmcache_config(lmcache_port)
-    llm = LLM(**engine_args(model, kv, **more))
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    eng = Engine(model, meta, role, extra, None, lmcache_port, single_process)
+    outs = eng.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "text": [o.outputs[0].text for o in outs],
         "cached": [int(o.num_cached_tokens or 0) for o in outs],
     }
-    del llm  # the engine shuts down: the worker's connector flushes its saves and counters
-    import gc
-
-    gc.collect()
-    result["stats"] = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    result["stats"] = eng.close()
     return result
 
 
@@ -241,22 +275,14 @@ def replay(
     import time
 
     from tqdm import tqdm
-
-    os.environ.update(CPU_ENV)
-    more: dict[str, Any] = {}
-    if single_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        more["distributed_executor_backend"] = "uni"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    stats_file = Path(tempfile.mkdtemp(prefix="kvstore-vllm-")) / "stats.json"
-    kv = connector_config(meta, "kv_both", stats_file=str(stats_file), **(extra or {})) if meta else None
-    if lmcache_port:
-        kv = lmcache_config(lmcache_port)
-    args = engine_args(model, kv, **more, **(engine or {}))
-    args["disable_log_stats"] = False  # per-request metrics: the first token's latency
-    llm = LLM(**args)
+    # Per-request metrics (disable_log_stats off): the first token's latency.
+    eng = Engine(
+        model, meta, "kv_both", extra, {**(engine or {}), "disable_log_stats": False}, lmcache_port, single_process
+    )
+    llm = eng.llm
     llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=1), use_tqdm=False)
     ttft: list[float] = []
     cached: list[int] = []
@@ -286,12 +312,8 @@ def replay(
                 history[s] = history[s] + send(history[s], work["assistant"])
                 bar.update(1)
         bar.close()
-    llm = None  # the engine shuts down: the connector flushes its saves and counters
-    import gc
-
-    gc.collect()
-    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
-    return {"ttft_s": ttft, "cached": cached, "prompts": prompts, "stats": stats}
+    llm = None
+    return {"ttft_s": ttft, "cached": cached, "prompts": prompts, "stats": eng.close()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 from collections import Counter
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError
+from kvstore.integrations.store import LazyClient, client_config, scoped_key
 
 log = logging.getLogger("kvstore.sglang")
 _FAILURES = (KVStoreError, OSError, ValueError)
@@ -63,17 +60,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             shard += f"|dcp{c.dcp_rank}/{c.dcp_size}|page{c.logical_page_size}"
         tp = "" if c.is_mla_model else f"|tp{c.tp_rank}/{c.tp_size}"
         self.scope = f"{c.model_name or ''}|mla={int(c.is_mla_model)}{tp}|{shard}".encode()
-        meta = extra.get("meta") or os.environ.get("KVSTORE_META") or "127.0.0.1:7100"
-        timeout = float(extra.get("rpc_timeout_s", 5.0))
-        self._cfg = ClientConfig(
-            meta=meta,
-            transport=extra.get("transport", "auto"),
-            token=extra.get("token", ""),
-            rpc_timeout_s=timeout,
-            io_timeout_s=timeout,
-        )
-        self._client: Any = None
-        self._lock = threading.Lock()
+        self._client = LazyClient(client_config(extra))
         self._parts: int | None = None  # buffers per page of the host pool (interface_v1)
         self._pool_scope = b""
         self.counters: Counter[str] = Counter()
@@ -83,17 +70,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # ---- the store ---------------------------------------------------------------------------
 
     def _store(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                from kvstore.client.sync import SyncKVStoreClient
-
-                self._client = SyncKVStoreClient(self._cfg.meta, self._cfg)
-            return self._client
+        return self._client.get()
 
     def key(self, page: str, part: int = -1) -> bytes:
         """The kvstore key of one of SGLang's pages (or of one buffer of it)."""
-        h = xxhash.xxh3_128()
-        parts = (
+        return scoped_key(
             b"kvstore-sglang-v1",
             self.namespace.encode(),
             self.scope,
@@ -101,10 +82,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             str(page).encode(),
             b"%d" % part,
         )
-        for b in parts:
-            h.update(len(b).to_bytes(4, "little"))
-            h.update(b)
-        return h.digest()
 
     def _page_keys(self, keys: list[str], parts: int) -> list[bytes]:
         return [self.key(k, j) for k in keys for j in range(parts)]
@@ -221,7 +198,4 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return dict(self.counters)
 
     def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self._client.close()

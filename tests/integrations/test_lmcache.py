@@ -5,12 +5,9 @@ kvstore and vLLM generates the same tokens."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,10 +27,6 @@ pytestmark = pytest.mark.timeout(600)
 CHUNK = 64  # LMCache's chunk: two vLLM blocks of 32
 
 
-def LMCacheServer(meta: str, log: Path) -> ve.LMCacheServer:  # noqa: N802 - the class, with the test's chunk
-    return ve.LMCacheServer(meta, log, chunk=CHUNK)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -46,34 +39,23 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-def engine(model: Path, prompts: list[str], tmp: Path, *more: str) -> dict:
-    f = tmp / f"prompts-{time.monotonic_ns()}.json"
-    f.write_text(json.dumps(prompts))
-    args = [sys.executable, "-m", "bench.vllm_engine", "--model", str(model), "--prompts", str(f), *more]
-    env = {**os.environ, **ve.CPU_ENV, "PYTHONPATH": str(REPO), "LMCACHE_TRACK_USAGE": "false"}
-    p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"engine failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 def test_a_restarted_lmcache_server_gets_the_prefix_from_kvstore(cluster, model, tmp_path):
     cluster.start_meta()
     cluster.start_daemon(dram="128MiB")
     prompts = [ve.prompt(9 * CHUNK + 5, seed=1), ve.prompt(3 * CHUNK + 40, seed=2)]
-    alone = engine(model, prompts, tmp_path, "--single-process")
-    lm = LMCacheServer(cluster.meta_addr, tmp_path / "lmcache-1.log")
+    alone = ve.run_generate(model, prompts, tmp_path, "--single-process")
+    lm = ve.LMCacheServer(cluster.meta_addr, chunk=CHUNK, log=tmp_path / "lmcache-1.log")
     try:
-        first = engine(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
+        first = ve.run_generate(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
         assert first["tokens"] == alone["tokens"]
         with SyncKVStoreClient(cluster.meta_addr) as c:
             wait_until(lambda: c.stats().keys >= 9 + 3)  # every full chunk reached the second tier
     finally:
         lm.stop()
     # A new LMCache server (empty first tier) and a new vLLM engine: the chunks come from kvstore.
-    lm = LMCacheServer(cluster.meta_addr, tmp_path / "lmcache-2.log")
+    lm = ve.LMCacheServer(cluster.meta_addr, chunk=CHUNK, log=tmp_path / "lmcache-2.log")
     try:
-        second = engine(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
+        second = ve.run_generate(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
         assert second["tokens"] == alone["tokens"]
         assert second["cached"][0] >= 8 * CHUNK and second["cached"][1] >= 2 * CHUNK, second["cached"]
     finally:
@@ -90,9 +72,9 @@ def test_a_restarted_lmcache_server_gets_the_prefix_from_kvstore(cluster, model,
         flipped += 1
         i = raw.find(MAGIC, i + HEADER_SIZE)
     assert flipped >= 12
-    lm = LMCacheServer(cluster.meta_addr, tmp_path / "lmcache-3.log")
+    lm = ve.LMCacheServer(cluster.meta_addr, chunk=CHUNK, log=tmp_path / "lmcache-3.log")
     try:
-        third = engine(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
+        third = ve.run_generate(model, prompts, tmp_path, "--lmcache-port", str(lm.port))
         assert third["tokens"] == alone["tokens"]
         assert third["cached"] == [0, 0]
     finally:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ if ve.vllm_available():
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient  # noqa: E402
 from kvstore.config import ClientConfig  # noqa: E402
 from kvstore.extent import HEADER_SIZE  # noqa: E402
+from kvstore.procs import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 BS = ve.BLOCK_SIZE
@@ -69,19 +68,10 @@ def alone(model, tmp_path_factory) -> dict[str, tuple[list[int], str]]:
 
 
 def run_engine(model: Path, prompts: list[str], tmp: Path, meta: str = "", role: str = "kv_both", **kw) -> dict:
-    f = tmp / f"prompts-{time.monotonic_ns()}.json"
-    f.write_text(json.dumps(prompts))
-    args = [sys.executable, "-m", "bench.vllm_engine", "--model", str(model), "--prompts", str(f), "--single-process"]
-    kw.setdefault("max_tokens", MAX_TOKENS)
-    if meta:
-        args += ["--meta", meta, "--role", role]
-    for k, v in kw.items():
+    args = ["--single-process"] + (["--meta", meta, "--role", role] if meta else [])
+    for k, v in {"max_tokens": MAX_TOKENS, **kw}.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
-    env = {**os.environ, **ve.CPU_ENV, "PYTHONPATH": str(REPO)}
-    p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"engine failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    return ve.run_generate(model, prompts, tmp, *args)
 
 
 def keys_of(text: str) -> list[bytes]:
@@ -155,14 +145,8 @@ def test_prefill_decode_disaggregation(store, model, alone, tmp_path):
     assert dec["stats"]["blocks_saved"] == 0  # a consumer only loads
 
 
-def _free_port() -> int:  # noqa: D103
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server(model: Path, role: str, meta: str, log: Path) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    port = free_port()
     kv = {
         "kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "kvstore.integrations.vllm",
@@ -191,7 +175,7 @@ def test_openai_servers_prefill_and_decode_behind_the_proxy(store, model, alone,
         pre, pre_port = _server(model, "kv_producer", store.meta_addr, tmp_path / "prefill.log")
         dec, dec_port = _server(model, "kv_consumer", store.meta_addr, tmp_path / "decode.log")
         procs += [pre, dec]
-        port = _free_port()
+        port = free_port()
         proxy = subprocess.Popen(
             [sys.executable, "-m", "kvstore.integrations.vllm.proxy", "--prefill", f"http://127.0.0.1:{pre_port}",
              "--decode", f"http://127.0.0.1:{dec_port}", "--port", str(port)],

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvstore.config import ClientConfig
+from kvstore.integrations.store import LazyClient, client_config
 from kvstore.integrations.vllm.blocks import PagedBlocks
 from kvstore.integrations.vllm.plan import BACKOFF_MAX_S, BACKOFF_MIN_S, Planner, Transfer, split_keys
 from kvstore.keys import KeySpace, ModelFingerprint
@@ -119,36 +118,19 @@ def shard_tag(vllm_config: Any, tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank}/{pc.tensor_parallel_size}|pp{pp_rank}/{pc.pipeline_parallel_size}"
 
 
-def _client(settings: dict[str, Any]) -> Any:
-    from kvstore.client.sync import SyncKVStoreClient
-
-    meta = settings.get("meta") or os.environ.get("KVSTORE_META") or "127.0.0.1:7100"
-    cfg = ClientConfig(
-        meta=meta,
-        transport=settings.get("transport", "auto"),
-        token=settings.get("token", ""),
-        rpc_timeout_s=float(settings.get("rpc_timeout_s", 5.0)),
-        io_timeout_s=float(settings.get("rpc_timeout_s", 5.0)),
-        retries=int(settings.get("retries", 1)),
-    )
-    return SyncKVStoreClient(meta, cfg)
-
-
 class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = _settings(vllm_config)
         try:
-            float(self.settings.get("rpc_timeout_s", 5.0))
-            int(self.settings.get("max_pending_saves", 64))
+            # One retry: vLLM's scheduler waits for each lookup.
+            self._store = LazyClient(client_config(self.settings, retries=1))
         except (TypeError, ValueError) as e:
             raise ValueError(f"kv_connector_extra_config: {e}") from None
         tc = vllm_config.kv_transfer_config
         self.producer = tc.kv_role == "kv_producer"
         self.consumer = tc.kv_role == "kv_consumer"
         namespace = self.settings.get("namespace", "default")
-        self._client_lock = threading.Lock()
-        self._store: Any = None
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
                 "event=load_failure_policy policy=%s effect=requests_fail_when_a_stored_block_cannot_be_loaded "
@@ -205,10 +187,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ---- the store -----------------------------------------------------------------------
 
     def store(self) -> Any:
-        with self._client_lock:
-            if self._store is None:
-                self._store = _client(self.settings)
-            return self._store
+        return self._store.get()
 
     def _lookup(self, packed: bytes) -> int:
         return self.store().lookup(split_keys(packed, self.shard))
@@ -408,7 +387,4 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._write_stats()
             self._loader.shutdown(wait=False)
             self._saver.shutdown(wait=True)
-        with self._client_lock:
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+        self._store.close()
