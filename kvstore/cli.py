@@ -51,14 +51,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dram", help="DRAM segment size, e.g. 1GiB")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics of the service and its daemon (0 = any port)")
 
-    p = sub.add_parser("meta", help="the metadata service alone")
+    p = sub.add_parser(
+        "meta", help="the metadata service alone; with cluster.redis, one shard's primary or standby (kvstore.cluster)"
+    )
     _common(p)
     p.add_argument("--listen", help="address to listen on (default 127.0.0.1:7100)")
+    p.add_argument("--redis", help="cluster coordination: redis://host:port or sentinel://host:port,.../master")
+    p.add_argument("--shards", type=int, help="shards of the cluster (cluster.shards)")
+    p.add_argument("--shard", type=int, help="the shard this process serves (cluster.shard)")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = any port)")
 
     p = sub.add_parser("daemon", help="one cache daemon, registering with a metadata service")
     _common(p)
     p.add_argument("--meta", help="metadata service address")
+    p.add_argument("--redis", help="a cluster's coordination (cluster.redis): register with every shard")
     p.add_argument("--data-dir", help="folder for daemon state")
     p.add_argument("--dram", help="DRAM segment size, e.g. 1GiB")
     p.add_argument("--host", help="address to bind and advertise")
@@ -72,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stat", help="a table of nodes, tiers, bytes, blocks and hit counters")
     _common(p)
     p.add_argument("--meta", help="metadata service address")
+    p.add_argument("--redis", help="a cluster's coordination (cluster.redis): shards, leaders, epochs too")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     for name, plugin in _plugins().items():
@@ -171,6 +178,9 @@ def _config(ns: argparse.Namespace) -> Config:
         ("dram", "daemon.dram_bytes"),
         ("host", "daemon.host"),
         ("metrics_port", "meta.metrics_port" if ns.cmd in ("serve", "meta") else "daemon.metrics_port"),
+        ("redis", "cluster.redis"),
+        ("shards", "cluster.shards"),
+        ("shard", "cluster.shard"),
     ):
         v = getattr(ns, attr, None)
         if v is not None:
@@ -182,6 +192,9 @@ def _config(ns: argparse.Namespace) -> Config:
     if ns.cmd == "serve" and getattr(ns, "listen", None):
         overrides.append(f"client.meta={ns.listen}")
     cfg = load_config(ns.config, overrides)
+    if cfg.cluster.redis and not getattr(ns, "meta", None):
+        # Clients of a cluster find its shards through Redis (kvstore.client.shards).
+        cfg.client.meta = f"{cfg.cluster.redis}#{cfg.cluster.name}"
     if ns.log_level:
         cfg.log.level = ns.log_level
     if getattr(ns, "log_format", None):
@@ -222,7 +235,12 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
         if with_daemon:
             if meta is not None:  # one process: one /metrics for both, the service's
                 cfg.daemon.metrics_port = -1
-            daemon = CacheDaemon(cfg.daemon, registry=meta.registry if meta is not None else None, tls=cfg.tls)
+            daemon = CacheDaemon(
+                cfg.daemon,
+                registry=meta.registry if meta is not None else None,
+                tls=cfg.tls,
+                cluster=cfg.cluster if meta is None else None,
+            )
             if meta is not None:  # one process: the service calls the daemon directly
                 meta.link.attach_local(daemon.daemon_id, daemon)
             await daemon.start()
@@ -248,6 +266,21 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
             await daemon.stop()
 
 
+async def _shard(cfg: Config) -> None:
+    """One metadata process of a cluster: standby, leader when it holds its shard's lease."""
+    from kvstore.cluster.shard import ShardNode
+
+    node = ShardNode(cfg)
+    run = asyncio.create_task(node.run())
+    _ready(shard=cfg.cluster.shard, shards=cfg.cluster.shards, node=node.node, addr=node.addr)
+    stop = asyncio.create_task(_until_signal())
+    done, _ = await asyncio.wait({run, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if stop in done:
+        logging.getLogger("kvstore.cli").info("event=signal name=%s", stop.result())
+    node.stop()
+    await run
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -256,16 +289,47 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _print_cluster(cl: dict) -> None:
+    """Shards (slots, leader, epoch, keys), then every member process."""
+    rows = [("shard", "slots", "leader", "address", "epoch", "keys", "daemons")]
+    for sh in cl["shards"]:
+        rows.append(
+            (str(sh["shard"]), str(sh["slots"]), sh.get("leader") or "NONE", sh.get("addr", "-"), str(sh.get("epoch", 0)),
+             str(sh.get("keys", "?")), str(sh.get("daemons", "?")))
+        )  # fmt: skip
+    _table(rows)
+    print()
+    rows = [("member", "role", "shard", "address", "host")]
+    for m in cl["members"]:
+        rows.append((m["node"], m.get("role", "?"), str(m.get("shard", "-")), m.get("addr", "-"), m.get("host", "-")))
+    _table(rows)
+    print()
+
+
 def _stat(cfg: Config, as_json: bool) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from kvstore.client import SyncKVStoreClient
 
+    cluster = None
     with SyncKVStoreClient(config=cfg.client, tls=cfg.tls) as c:
         s = c.stats()
+        if cfg.cluster.redis:
+            cluster = c.cluster_state()
     if as_json:
-        print(json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=2))
+        out = MessageToDict(s, preserving_proto_field_name=True)
+        if cluster is not None:
+            out["cluster"] = cluster
+        print(json.dumps(out, indent=2))
         return 0
+    if cluster is not None:
+        _print_cluster(cluster)
     tiers = {1: "dram", 2: "ssd", 3: "gpu"}
     rows = [("daemon", "host", "alive", "tier", "used", "capacity", "use%", "blocks", "pinned", "leased")]
     alive = {d.info.daemon_id: (d.alive, d.info.data_addr) for d in s.daemons}
@@ -302,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.cmd == "serve":
             asyncio.run(_serve(cfg, True, True))
+        elif ns.cmd == "meta" and cfg.cluster.redis:
+            asyncio.run(_shard(cfg))
         elif ns.cmd == "meta":
             asyncio.run(_serve(cfg, True, False))
         elif ns.cmd == "daemon":

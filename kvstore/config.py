@@ -146,6 +146,28 @@ class ClientConfig:
 
 
 @dataclass
+class ClusterConfig:
+    # Redis that coordinates a sharded cluster (kvstore.cluster): redis://host:port[/db], or
+    # sentinel://host:port[,host:port...]/<master>[/db] with Sentinel. Empty: no cluster; one
+    # metadata service at meta.listen (daemon.meta, client.meta), and no Redis is needed.
+    redis: str = ""
+    # The cluster's name: the prefix of its keys in Redis (several clusters may share one Redis).
+    name: str = "kvstore"
+    # Metadata shards: fixed when the cluster is first made (the slot map in Redis).
+    shards: int = 1
+    # The shard this metadata process serves (`kvstore meta`); two processes per shard make a
+    # primary and a standby.
+    shard: int = 0
+    # Address that daemons and clients reach this metadata process at (default meta.listen).
+    advertise: str = ""
+    # The leader lease: a leader renews it every third of this; a standby takes over when it
+    # runs out (a dead leader costs this plus a daemon heartbeat to notice).
+    leader_ttl_s: float = 2.0
+    # How often a standby tries to take the lease.
+    standby_poll_s: float = 0.2
+
+
+@dataclass
 class LogConfig:
     level: str = "info"
     # text: "time LEVEL logger event=... key=value"; json: one JSON object per line, the
@@ -159,6 +181,7 @@ class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     # Mutual TLS for every server and connection of this process (kvstore.tls).
     tls: TlsConfig = field(default_factory=TlsConfig)
 
@@ -339,6 +362,17 @@ def validate(cfg: Config) -> None:
         positive("client", key)
     one_of("log", "level", ("debug", "info", "warning", "error", "critical"))
     one_of("log", "format", ("text", "json"))
+    c = cfg.cluster
+    for key in ("leader_ttl_s", "standby_poll_s"):
+        positive("cluster", key)
+    if not 1 <= c.shards <= 256:
+        raise InvalidArgument(f"cluster.shards: must be between 1 and 256, got {c.shards}")
+    if not 0 <= c.shard < c.shards:
+        raise InvalidArgument(f"cluster.shard: must be in [0, cluster.shards={c.shards}), got {c.shard}")
+    if c.redis:
+        from kvstore.cluster.coord import parse_url
+
+        parse_url(c.redis)
 
 
 def default_host_id() -> str:

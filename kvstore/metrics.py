@@ -114,6 +114,10 @@ def _counters(prefix: str, docs: tuple[tuple[str, str], ...], values: dict, labe
 # A daemon's own counters (CacheDaemon.counters), exported as kvstore_daemon_<name>_total.
 DAEMON_COUNTERS = (
     ("registrations", "Registrations with the metadata service (each with a full inventory)"),
+    (
+        "stale_epoch_refused",
+        "Control calls refused because they came from a metadata shard's former leader (older epoch)",
+    ),
     ("heartbeat_failures", "Heartbeats that failed (service unreachable or an error)"),
     ("commits", "Blocks committed at the service's request"),
     ("invalidations", "Blocks dropped at the service's request"),

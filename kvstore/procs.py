@@ -39,7 +39,9 @@ class Child:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, keep_shm: bool = False) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``; a daemon's shared-memory files are removed
+        unless ``keep_shm`` (a daemon that starts again reattaches them)."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -47,7 +49,7 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.kill()
         shm = self.info.get("shm_path")
-        if shm and self.info.get("owns_shm", True):
+        if shm and self.info.get("owns_shm", True) and not keep_shm:
             for path in (shm, shm + ".served", shm.removesuffix("-dram") + "-staging"):
                 if os.path.exists(path):
                     os.unlink(path)
@@ -63,10 +65,12 @@ def start(
     cwd: str | Path | None = None,
     stdin: IO | int | None = None,
     preexec_fn: Callable[[], object] | None = None,
+    prefix: Sequence[str] = (),
 ) -> Child:
-    """Runs ``python -m <module> <args>`` and waits for its READY line."""
+    """Runs ``python -m <module> <args>`` (after ``prefix``, e.g. ``ip netns exec HOST``, which
+    execs it in place) and waits for its READY line."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        [*prefix, sys.executable, "-m", module, *args],
         stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=stderr,

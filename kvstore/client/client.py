@@ -38,10 +38,11 @@ import grpc
 from kvstore.client.buffers import INLINE_COPY_BYTES
 from kvstore.client.locations import LocationCache
 from kvstore.client.reads import Reads
+from kvstore.client.shards import ShardedMeta, cluster_url
 from kvstore.client.streams import LookupStream
 from kvstore.client.writes import PutResult, Writes  # noqa: F401 - PutResult is part of the API
 from kvstore.config import ClientConfig, default_host_id
-from kvstore.errors import InvalidArgument, Unavailable, from_rpc_error
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, from_rpc_error
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.rpc import GRPC_OPTIONS
 from kvstore.tls import TlsConfig, aio_channel, client_context
@@ -71,9 +72,18 @@ class KVStoreClient(Reads, Writes):
         if self.cfg.transport not in ("auto", "shm", "tcp"):
             raise InvalidArgument(f"client.transport must be auto, shm or tcp, got {self.cfg.transport!r}")
         self.host_id = self.cfg.host_id or default_host_id()
-        self._channel = aio_channel(self.cfg.meta, tls, GRPC_OPTIONS, token=self.cfg.token)
-        self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
-        self._lookups = LookupStream(self._stub, lambda req: self._rpc(self._stub.Lookup, req), self.cfg.rpc_timeout_s)
+        cluster = cluster_url(self.cfg.meta)
+        self._channel: grpc.aio.Channel | None = None
+        self._lookups: LookupStream | None = None
+        if cluster is not None:
+            # A sharded cluster (kvstore.cluster): calls go to the shards that own their keys.
+            self._stub: Any = ShardedMeta(*cluster, tls, self.cfg.token, self.cfg.rpc_timeout_s)
+        else:
+            self._channel = aio_channel(self.cfg.meta, tls, GRPC_OPTIONS, token=self.cfg.token)
+            self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
+            self._lookups = LookupStream(
+                self._stub, lambda req: self._rpc(self._stub.Lookup, req), self.cfg.rpc_timeout_s
+            )
         self._shm = ShmTransport()
         self._tcp = TcpTransport(
             self.cfg.io_timeout_s,
@@ -122,10 +132,14 @@ class KVStoreClient(Reads, Writes):
         with self._touch_lock:
             self._closing = True  # reads from other threads queue no more Touch calls
         await self._send_touches()  # what waits for its delay goes now
-        await self._lookups.close()
+        if self._lookups is not None:
+            await self._lookups.close()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
+        else:
+            await self._stub.close()
         self._pool.shutdown(wait=True)
         self._chunk_pool.shutdown(wait=True)
         self._tcp.close()
@@ -154,7 +168,7 @@ class KVStoreClient(Reads, Writes):
         """On the lookup stream; an empty or very large batch as a unary call, so that its error
         (or its size) is its own and not the stream's."""
         n = len(request.keys) // KEY_BYTES
-        if n == 0 or n > _STREAM_MAX_KEYS:
+        if n == 0 or n > _STREAM_MAX_KEYS or self._lookups is None:
             return await self._rpc(self._stub.Lookup, request)
         return await self._lookups.ask(request)
 
@@ -182,6 +196,8 @@ class KVStoreClient(Reads, Writes):
                 await method(request, timeout=self.cfg.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
                 log.info("event=%s code=%s", event, e.code().name)
+            except KVStoreError as e:  # a sharded cluster's calls raise typed errors
+                log.info("event=%s code=%s", event, e.code.name)
 
         task = asyncio.get_running_loop().create_task(go())
         self._pending.add(task)
@@ -221,6 +237,13 @@ class KVStoreClient(Reads, Writes):
 
     async def stats(self) -> meta_pb2.StatsResponse:
         return await self._rpc(self._stub.Stats, meta_pb2.StatsRequest())
+
+    async def cluster_state(self) -> dict | None:
+        """A sharded cluster's shards (slots, leader, address, epoch, keys, daemons) and members
+        (each metadata process's role), from Redis and the shards; None without a cluster."""
+        if not isinstance(self._stub, ShardedMeta):
+            return None
+        return await self._stub.state()
 
     async def advance_clock(self, seconds: float) -> float:
         """Skews the service's clock (only when started with ``meta.allow_clock_skew``)."""

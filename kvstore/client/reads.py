@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from kvstore.client.buffers import INLINE_COPY_BYTES, byte_view
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.extent import SSD_ALIGN, extent_size
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.transport.frames import DIRECT, STAGED
@@ -236,6 +236,8 @@ class Reads:
                 await self._stub.Touch(meta_pb2.TouchRequest(chains=chains), timeout=self.cfg.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
                 log.info("event=touch_failed chains=%d code=%s", len(chains), e.code().name)
+            except KVStoreError as e:  # a sharded cluster's calls raise typed errors
+                log.info("event=touch_failed chains=%d code=%s", len(chains), e.code.name)
 
     def _read_run(
         self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float, direct: bool = False

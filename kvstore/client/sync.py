@@ -132,5 +132,8 @@ class SyncKVStoreClient:
     def stats(self):  # noqa: ANN201
         return self._run(self._client.stats())
 
+    def cluster_state(self) -> dict | None:
+        return self._run(self._client.cluster_state())
+
     def advance_clock(self, seconds: float) -> float:
         return self._run(self._client.advance_clock(seconds))

@@ -61,11 +61,17 @@ _READ_STATUS = {"checksum": EntryStatus.CHECKSUM, "io": EntryStatus.IO_ERROR}
 
 
 def check_entries(
-    entries: list[tuple], op: int, segments: dict, max_block_bytes: int, ticket_key: bytes, skew_s: float
+    entries: list[tuple],
+    op: int,
+    segments: dict,
+    max_block_bytes: int,
+    ticket_key: bytes | Callable[[int, int], bytes],
+    skew_s: float,
 ) -> list:
     """The segments (anything with a ``size``) that a frame's entries name, once every entry is
     checked: a known segment, an extent inside it, a length within ``max_block_bytes``, and
-    (given a ``ticket_key``) a capability ticket for exactly this entry. Pure: the frame parser
+    (given a ``ticket_key``, or a function of (segment id, offset) giving the key of that extent's
+    metadata shard) a capability ticket for exactly this entry. Pure: the frame parser
     that the property tests and the atheris harness drive. Raises FrameError."""
     arenas = []
     signed = bool(ticket_key) and op in (Op.READ, Op.WRITE)
@@ -81,7 +87,10 @@ def check_entries(
         if length > max_block_bytes:
             raise FrameError(f"entry {i}: length {length} is over the block limit of {max_block_bytes} bytes")
         if signed:
-            why = tickets.check(ticket_key, top, seg_id, off, length, gen, expiry, key, tag, skew_s)
+            k = ticket_key(seg_id, off) if callable(ticket_key) else ticket_key
+            if not k:
+                raise TicketError(f"entry {i}: no metadata shard has handed out extent {off} of segment {seg_id}")
+            why = tickets.check(k, top, seg_id, off, length, gen, expiry, key, tag, skew_s)
             if why:
                 raise TicketError(f"entry {i}: {why}")
         arenas.append(arena)

@@ -34,19 +34,21 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kvstore import tickets
-from kvstore.config import DaemonConfig, default_host_id
+from kvstore.cluster.slots import arena_of
+from kvstore.config import ClusterConfig, DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
+from kvstore.daemon.links import MetaLink
 from kvstore.daemon.operations import SegmentOps, dram_inventory, inventory_pb
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.daemon.staging import Staging
-from kvstore.errors import PermissionDenied
+from kvstore.errors import Expired, InvalidArgument, PermissionDenied
 from kvstore.extent import Sealer
-from kvstore.keys import KEY_BYTES
+from kvstore.meta.records import SEGMENT_ALIGN, Tier
 from kvstore.metrics import DAEMON_COUNTERS, DaemonCollector, MetricsHttp
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
-from kvstore.tls import TlsConfig, add_port, aio_channel, check_listen, server_context
-from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2, meta_pb2_grpc
+from kvstore.tls import TlsConfig, add_port, check_listen, server_context
+from kvstore.v1 import common_pb2, daemon_pb2
 
 log = logging.getLogger("kvstore.daemon")
 # A drain waits past its leases while reads without a lease came this recently (within its grace).
@@ -54,8 +56,6 @@ _DIRECT_QUIET_S = 0.05
 
 DRAM_SEGMENT = 1
 SSD_SEGMENT = 2
-# Consecutive unexpected heartbeat-loop failures after which the daemon reports NOT_SERVING.
-LOOP_FAILURES_UNHEALTHY = 3
 
 
 class _Control:
@@ -87,21 +87,28 @@ class _Control:
 
     async def Move(self, request, context):
         self._check(context)
+        self.daemon.check_epoch(request.shard, request.epoch)
         return await asyncio.to_thread(self.daemon.move, request)
 
     async def Commit(self, request, context):
         self._check(context)
+        self.daemon.check_epoch(request.shard, request.epoch)
         return await self.daemon.run(self.daemon.commit, request)
 
     async def Invalidate(self, request, context):
         self._check(context)
+        self.daemon.check_epoch(request.shard, request.epoch)
         cleared = await self.daemon.run(self.daemon.invalidate, request.invalidations)
         return daemon_pb2.InvalidateResponse(cleared=cleared)
 
 
 class CacheDaemon:
     def __init__(
-        self, cfg: DaemonConfig, registry: CollectorRegistry | None = None, tls: TlsConfig | None = None
+        self,
+        cfg: DaemonConfig,
+        registry: CollectorRegistry | None = None,
+        tls: TlsConfig | None = None,
+        cluster: ClusterConfig | None = None,
     ) -> None:
         self.cfg = cfg
         self.tls = tls
@@ -147,23 +154,23 @@ class CacheDaemon:
             idle_timeout_s=cfg.data_idle_timeout_s,
             max_block_bytes=cfg.max_block_bytes,
             ssl_context=server_context(tls) if tls is not None and tls.enabled else None,
-            ticket_key=self.ticket_key,
+            ticket_key=self.ticket_key_for,
             ticket_skew_s=cfg.ticket_skew_s,
             staging=self.staging,
         )
         self.control = _Control(self)  # served over gRPC; called directly by an in-process service
         self.control_port = 0
         self._server: grpc.aio.Server | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: meta_pb2_grpc.MetaServiceStub | None = None
-        self._hb_task: asyncio.Task | None = None
-        self.registered = asyncio.Event()
-        self._acked_batch = 0
+        # One link to the metadata service (daemon.meta), or one per shard of a cluster
+        # (cluster.redis; made at start, when the slot map is read).
+        self.cluster = cluster
+        self._coord = None
+        self.links: list[MetaLink] = [MetaLink(self, 0, 1)]
+        self._hb_tasks: list[asyncio.Task] = []
+        self.registered = asyncio.Event()  # every shard knows this daemon (first registration)
         self.stopping = False
         self.draining = False
         self.health = ServerHealth("kvstore.v1.DaemonControl")
-        self._last_contact = 0.0  # loop time of the last answered heartbeat or registration
-        self._lease_ttl = 3.0  # the service's daemon lease, learnt at registration
         self.counters = dict.fromkeys((name for name, _doc in DAEMON_COUNTERS), 0)
         # What the service has it do to its segments (commit, invalidate, move).
         self.ops = SegmentOps(self.segments, self.sealer, self.counters)
@@ -247,95 +254,72 @@ class CacheDaemon:
         await self._server.start()
         # NOT_SERVING until the metadata service knows this daemon (see _heartbeat_loop).
         await self.health.start()
-        self._channel = aio_channel(self.cfg.meta, self.tls, GRPC_OPTIONS, token=self.cfg.token)
-        self._stub = meta_pb2_grpc.MetaServiceStub(self._channel)
+        cl = self.cluster
+        if cl is not None and cl.redis:
+            from kvstore.cluster.coord import Coordinator
+
+            self._coord = Coordinator(cl.redis, cl.name, timeout_s=max(0.2, cl.leader_ttl_s / 4))
+            shards = (await self._coord.slot_map()).shards
+            self.links = [MetaLink(self, k, shards, self._coord) for k in range(shards)]
         log.info(
             "event=daemon_started daemon=%s data_port=%d control_port=%d metrics_port=%d dram_bytes=%d reattached=%s",
             self.daemon_id, self.dataport.port, self.control_port, self.metrics.port, self.dram.size,
             self.dram.reattached,
         )  # fmt: skip
-        self._hb_task = asyncio.create_task(self._heartbeat_loop())
+        self._hb_tasks = [asyncio.create_task(link.run()) for link in self.links]
 
-    async def _register(self) -> float:
-        assert self._stub is not None
-        invs, discarded = await asyncio.to_thread(self.inventory, True)
-        resp = await self._stub.RegisterDaemon(
-            meta_pb2.RegisterDaemonRequest(daemon=self.info(), inventory=invs, ticket_key=self.ticket_key), timeout=30
-        )
-        # The service signs tickets for our placements (meta.data_tickets): require them.
-        self.dataport.require_tickets = resp.tickets
-        self.counters["registrations"] += 1
-        blocks = sum(len(i.keys) // KEY_BYTES for i in invs)
-        log.info(
-            "event=registered daemon=%s blocks=%d discarded=%d rejected=%d",
-            self.daemon_id,
-            blocks,
-            discarded,
-            resp.rejected,
-        )
-        self._lease_ttl = max(resp.lease_ttl_ms / 1000.0, 0.01)
-        self._last_contact = asyncio.get_running_loop().time()
-        if not self.draining:
-            await self.health.set_serving(True)  # ready before anyone waiting on `registered` looks
-        self.registered.set()
-        return max(resp.heartbeat_interval_ms / 1000.0, 0.01)
+    def segment_sizes(self) -> dict[int, tuple[int, int]]:
+        """Segment id -> (capacity, allocation alignment): what shard arenas are cut from."""
+        out = {DRAM_SEGMENT: (self.dram.size, SEGMENT_ALIGN[Tier.DRAM])}
+        if self.ssd is not None:
+            out[SSD_SEGMENT] = (self.ssd.size, SEGMENT_ALIGN[Tier.SSD])
+        return out
 
-    async def _heartbeat_loop(self) -> None:
-        """Registers, then heartbeats every interval for as long as the daemon runs. Survives
-        any failure (logged); health follows whether the service currently knows this daemon."""
-        assert self._stub is not None
-        loop = asyncio.get_running_loop()
-        interval = 0.5
-        need_register = True
-        failures = 0
-        while not self.draining:
-            try:
-                if need_register:
-                    interval = await self._register()
-                    need_register = False
-                else:
-                    resp = await self._stub.Heartbeat(
-                        meta_pb2.HeartbeatRequest(daemon_id=self.daemon_id, acked_batch=self._acked_batch), timeout=5
-                    )
-                    if resp.invalidations:
-                        await self.run(self.invalidate, resp.invalidations)
-                    self._acked_batch = resp.batch
-                    if not resp.known:
-                        log.info("event=meta_forgot_us daemon=%s action=reregister", self.daemon_id)
-                        need_register = True
-                        self.dram.unserve()  # our blocks are not indexed until we register again
-                        if self.health.serving:
-                            await self.health.set_serving(False)
-                        continue
-                    if not self.draining:
-                        # Known to the service, and what it refused of our inventory invalidated
-                        # (that came with this heartbeat): reads without a lease may come.
-                        self.dram.serve()
-                self._last_contact = loop.time()
-                failures = 0
-            except grpc.aio.AioRpcError as e:
-                # A restarted service answers "unknown" to the next heartbeat; until then, wait.
-                self.counters["heartbeat_failures"] += 1
-                log.debug("event=meta_unreachable code=%s", e.code().name)
-            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
-                self.counters["heartbeat_failures"] += 1
-                failures += 1
-                log.exception("event=heartbeat_loop_error daemon=%s consecutive=%d", self.daemon_id, failures)
-            # SERVING while the service knows us: registered, heard from within a lease, and the
-            # loop not failing over and over.
-            serving = (
-                not need_register
-                and not self.draining
-                and loop.time() - self._last_contact < self._lease_ttl
-                and failures < LOOP_FAILURES_UNHEALTHY
+    def ticket_key_for(self, segment_id: int, offset: int) -> bytes:
+        """The key the tickets for this extent are signed with: its shard's (empty: no shard
+        has it)."""
+        if len(self.links) == 1:
+            return self.links[0].ticket_key
+        cap, align = self.segment_sizes().get(segment_id, (0, 1))
+        k = arena_of(offset, cap, align, len(self.links))
+        return self.links[k].ticket_key if k >= 0 and self.links[k].registered else b""
+
+    def check_epoch(self, shard: int, epoch: int) -> None:
+        """A control call of shard ``shard``'s leader at ``epoch``: refused unless that is the
+        leader this daemon registered with (a stale leader changes nothing)."""
+        link = self.links[shard] if 0 <= shard < len(self.links) else None
+        if link is None:
+            raise InvalidArgument(f"shard {shard}: this daemon knows shards 0..{len(self.links) - 1}")
+        if epoch != link.epoch:
+            self.counters["stale_epoch_refused"] += 1
+            raise Expired(
+                f"shard {shard}: epoch {epoch} is not the leader this daemon registered with (epoch {link.epoch})"
             )
-            if serving != self.health.serving:
-                log.log(
-                    logging.INFO if serving else logging.WARNING,
-                    "event=health daemon=%s status=%s", self.daemon_id, "SERVING" if serving else "NOT_SERVING",
-                )  # fmt: skip
-                await self.health.set_serving(serving)
-            await asyncio.sleep(interval)
+
+    @property
+    def registered_everywhere(self) -> bool:
+        return all(link.registered for link in self.links)
+
+    async def links_changed(self) -> None:
+        """Health, shared-memory serving and ``registered`` follow the links: SERVING while every
+        shard knows this daemon (registered, heard from within a lease, its loop not failing)."""
+        if self.draining:
+            return
+        if any(link.need_register for link in self.links):
+            self.dram.unserve()  # our blocks are not all indexed until we register again
+        elif all(link.ok and link.heartbeated for link in self.links):
+            # Known to every shard, and what they refused of our inventory invalidated (that
+            # came with the heartbeats): reads without a lease may come.
+            self.dram.serve()
+        if self.registered_everywhere:
+            self.registered.set()
+        serving = all(link.ok for link in self.links)
+        if serving != self.health.serving:
+            log.log(
+                logging.INFO if serving else logging.WARNING,
+                "event=health daemon=%s status=%s", self.daemon_id, "SERVING" if serving else "NOT_SERVING",
+            )  # fmt: skip
+            await self.health.set_serving(serving)
 
     async def drain(self) -> None:
         """Leaves the pool on purpose (SIGTERM): health NOT_SERVING, no more puts (the service
@@ -354,33 +338,26 @@ class CacheDaemon:
         self.dataport.direct_until = time.monotonic() + grace
         self.dram.unserve()
         await self.health.set_serving(False)
-        if self._hb_task:
-            self._hb_task.cancel()
+        for task in self._hb_tasks:
+            task.cancel()
         deadline = t0 + self.cfg.drain_timeout_s
         leases = 0
-        if self._stub is not None and self.registered.is_set():
-            first = True
-            while True:
-                try:
-                    resp = await self._stub.DrainDaemon(
-                        meta_pb2.DrainDaemonRequest(daemon_id=self.daemon_id), timeout=5
-                    )
-                except grpc.aio.AioRpcError as e:
-                    log.warning(
-                        "event=drain_unannounced daemon=%s code=%s effect=blocks_leave_index_at_lease_expiry",
-                        self.daemon_id, e.code().name,
-                    )  # fmt: skip
-                    break
-                leases = resp.leases
-                if first:
-                    first = False
-                    log.info(
-                        "event=draining daemon=%s blocks_left_index=%d leases=%d lease_wait_s=%.3f",
-                        self.daemon_id, resp.dropped, resp.leases, resp.lease_wait_ms / 1000,
-                    )  # fmt: skip
-                if leases == 0 or loop.time() >= deadline:
-                    break
-                await asyncio.sleep(0.05)
+        told = [link for link in self.links if link.registered]
+        first = True
+        while told:
+            answers = await asyncio.gather(*(link.drain() for link in told))
+            told = [link for link, a in zip(told, answers) if a is not None and a[1] > 0]
+            leases = sum(a[1] for a in answers if a is not None)
+            if first:
+                first = False
+                log.info(
+                    "event=draining daemon=%s blocks_left_index=%d leases=%d lease_wait_s=%.3f",
+                    self.daemon_id, sum(a[0] for a in answers if a is not None), leases,
+                    max((a[2] for a in answers if a is not None), default=0) / 1000,
+                )  # fmt: skip
+            if leases == 0 or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
         # Data-port requests in progress finish, and so do gets without a lease still reading
         # within the grace (bounded by the same deadline).
         while loop.time() < deadline and (self.dataport.active > 0 or self._direct_reading()):
@@ -405,14 +382,16 @@ class CacheDaemon:
             await self.health.stop()
         except Exception:  # noqa: BLE001
             log.exception("event=stop_failed part=health")
-        if self._hb_task:
-            self._hb_task.cancel()
+        for task in self._hb_tasks:
+            task.cancel()
 
         async def server_stop() -> None:
             if self._server:
                 await self._server.stop(0.2)
-            if self._channel:
-                await self._channel.close()
+            for link in self.links:
+                await link.close()
+            if self._coord is not None:
+                await self._coord.close()
 
         parts = [
             ("dataport", self.dataport.stop),

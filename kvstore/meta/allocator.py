@@ -13,19 +13,22 @@ from kvstore.extent import ALIGN
 
 
 class Allocator:
-    """Allocates ``align``-aligned extents in ``[0, capacity)``. Not thread-safe (single event loop)."""
+    """Allocates ``align``-aligned extents in ``[base, base + capacity)`` (a metadata shard's
+    arena of a segment, :mod:`kvstore.cluster.slots`; the whole segment for a service alone).
+    Not thread-safe (single event loop)."""
 
-    __slots__ = ("capacity", "used", "align", "_by_start", "_by_end", "_by_size")
+    __slots__ = ("capacity", "base", "used", "align", "_by_start", "_by_end", "_by_size")
 
-    def __init__(self, capacity: int, align: int = ALIGN) -> None:
+    def __init__(self, capacity: int, align: int = ALIGN, base: int = 0) -> None:
         self.align = align
+        self.base = base
         self.capacity = capacity - capacity % align
         self.used = 0
         self._by_start: dict[int, int] = {}  # start -> size
         self._by_end: dict[int, int] = {}  # end -> start
         self._by_size: dict[int, set[int]] = {}  # size -> starts
         if self.capacity > 0:
-            self._add(0, self.capacity)
+            self._add(base, self.capacity)
 
     @property
     def free(self) -> int:
@@ -69,28 +72,29 @@ class Allocator:
 
     @classmethod
     def with_used(
-        cls, capacity: int, extents: list[tuple[int, int]], align: int = ALIGN
+        cls, capacity: int, extents: list[tuple[int, int]], align: int = ALIGN, base: int = 0
     ) -> tuple[Allocator, list[bool]]:
         """An allocator whose ``extents`` (start, size) are in use (index rebuild from an inventory).
 
         Returns it and, per extent, whether it was accepted: an extent that is misaligned, out of
         range or overlaps an earlier accepted one is refused.
         """
-        alloc = cls(0, align)
+        alloc = cls(0, align, base)
         alloc.capacity = capacity - capacity % align
+        end = base + alloc.capacity
         accepted = [False] * len(extents)
-        cursor = 0
+        cursor = base
         for i in sorted(range(len(extents)), key=lambda j: extents[j][0]):
             start, size = extents[i]
-            if start < cursor or size <= 0 or start % align or size % align or start + size > alloc.capacity:
+            if start < cursor or size <= 0 or start % align or size % align or start + size > end:
                 continue
             if start > cursor:
                 alloc._add(cursor, start - cursor)
             cursor = start + size
             alloc.used += size
             accepted[i] = True
-        if cursor < alloc.capacity:
-            alloc._add(cursor, alloc.capacity - cursor)
+        if cursor < end:
+            alloc._add(cursor, end - cursor)
         return alloc, accepted
 
     def release(self, start: int, size: int) -> None:

@@ -73,9 +73,18 @@ class DaemonLink:
     """Per-daemon control channels of one metadata service, and what travels over them."""
 
     def __init__(
-        self, index: Index, rpc_timeout_s: float = 5.0, move_timeout_s: float = 120.0, tls: TlsConfig | None = None
+        self,
+        index: Index,
+        rpc_timeout_s: float = 5.0,
+        move_timeout_s: float = 120.0,
+        tls: TlsConfig | None = None,
+        epoch: int = 0,
     ) -> None:
         self.tls = tls
+        # Every control call carries the shard and its leader epoch: a daemon refuses those of a
+        # leader older than the one it registered with (kvstore.cluster).
+        self.shard = index.limits.shard
+        self.epoch = epoch
         self.index = index
         self.rpc_timeout_s = rpc_timeout_s
         self.move_timeout_s = move_timeout_s
@@ -132,6 +141,8 @@ class DaemonLink:
             return unavailable
         reps = [r for _, r in items]
         req = daemon_pb2.CommitRequest(
+            shard=self.shard,
+            epoch=self.epoch,
             keys=b"".join(r.entry.key for r in reps),
             segment=pack([r.segment.spec.segment_id for r in reps], U32),
             offset=pack([r.offset for r in reps], U64),
@@ -183,7 +194,8 @@ class DaemonLink:
             return False
         try:
             await stub.Invalidate(
-                daemon_pb2.InvalidateRequest(invalidations=invalidations_pb(items)), timeout=self.rpc_timeout_s
+                daemon_pb2.InvalidateRequest(shard=self.shard, epoch=self.epoch, invalidations=invalidations_pb(items)),
+                timeout=self.rpc_timeout_s,
             )
         except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
             # Once per outage: every round retries until the daemon answers or its lease lapses.
@@ -232,6 +244,8 @@ class DaemonLink:
                 self.index.finish_move(mv.move_id, False)
             return
         req = daemon_pb2.MoveRequest(
+            shard=self.shard,
+            epoch=self.epoch,
             keys=b"".join(mv.src.entry.key for mv in moves),
             src_segment=pack([mv.src.segment.spec.segment_id for mv in moves], U32),
             src_offset=pack([mv.src.offset for mv in moves], U64),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable
 
+from kvstore.cluster.slots import arena
 from kvstore.errors import InvalidArgument
 from kvstore.extent import extent_size
 from kvstore.keys import KEY_BYTES
@@ -119,9 +120,8 @@ class Membership:
             align = SEGMENT_ALIGN[sspec.tier]
             items = inventory.get(sspec.segment_id, [])
             sizes = [it.size or extent_size(it.length, align) for it in items]
-            alloc, accepted = Allocator.with_used(
-                sspec.capacity, [(it.offset, sz) for it, sz in zip(items, sizes)], align
-            )
+            base, span = arena(sspec.capacity, align, self.limits.shard, self.limits.shards)
+            alloc, accepted = Allocator.with_used(span, [(it.offset, sz) for it, sz in zip(items, sizes)], align, base)
             seg = Segment(daemon, sspec, next(self._segment_refs), alloc)
             daemon.segments[sspec.segment_id] = seg
             plan.append((sspec, seg, alloc, items, sizes, accepted))

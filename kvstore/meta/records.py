@@ -268,3 +268,7 @@ class IndexLimits:
     dram_low_watermark: float = 0.8
     # Eviction and admission (kvstore.meta.policy): "adaptive" or "lru".
     cache_policy: str = "adaptive"
+    # In a sharded cluster (kvstore.cluster): this index is shard `shard` of `shards`, and
+    # allocates only in its arena of each segment (kvstore.cluster.slots.arena).
+    shard: int = 0
+    shards: int = 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kvstore.config import MetaConfig
+from kvstore.errors import Unavailable
 from kvstore.meta.auth import Authority, Quotas
 from kvstore.meta.daemons import DaemonLink
 from kvstore.meta.index import (
@@ -37,6 +39,28 @@ log = logging.getLogger("kvstore.meta")
 LOOP_FAILURES_UNHEALTHY = 3
 
 
+class _Gated:
+    """A servicer whose every method first asks ``gate`` (None: no gate)."""
+
+    def __init__(self, servicer: object, gate: Callable[[], str] | None) -> None:
+        self._servicer = servicer
+        self._gate = gate
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        fn = getattr(self._servicer, name)
+        gate = self._gate
+        if gate is None or not callable(fn):
+            return fn
+
+        def gated(request, context):  # noqa: ANN001, ANN202
+            why = gate()
+            if why:
+                raise Unavailable(why)
+            return fn(request, context)
+
+        return gated
+
+
 class MetaServer:
     """The metadata service as a running gRPC server (plus health checking, reflection, metrics,
     the sweeper and the tier loop)."""
@@ -47,9 +71,17 @@ class MetaServer:
         clock: Clock | None = None,
         registry: CollectorRegistry | None = None,
         tls: TlsConfig | None = None,
+        shard: tuple[int, int, int] = (0, 1, 0),
+        gate: Callable[[], str] | None = None,
     ) -> None:
+        """``shard``: (this shard, of how many, leader epoch) in a sharded cluster
+        (:mod:`kvstore.cluster.shard`); ``gate``: asked before every call, an empty answer lets it
+        through, anything else refuses it UNAVAILABLE with that reason (a shard whose lease
+        lapsed)."""
         self.cfg = cfg
         self.tls = tls
+        self.shard, self.shards, self.epoch = shard
+        self.gate = gate
         limits = IndexLimits(
             max_batch_keys=cfg.max_batch_keys,
             max_block_bytes=cfg.max_block_bytes,
@@ -60,9 +92,11 @@ class MetaServer:
             dram_high_watermark=cfg.dram_high_watermark,
             dram_low_watermark=cfg.dram_low_watermark,
             cache_policy=cfg.cache_policy,
+            shard=self.shard,
+            shards=self.shards,
         )
         self.index = Index(limits, clock or Clock())
-        self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s, tls=tls)
+        self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s, tls=tls, epoch=self.epoch)
         self.registry = registry or CollectorRegistry()
         self.registry.register(MetaCollector(self.index))
         self.metrics = MetricsHttp(self.registry)
@@ -90,8 +124,9 @@ class MetaServer:
             authority,
             quotas,
             self.cfg.read_ticket_ttl_s,
+            (self.shard, self.shards, self.epoch),
         )
-        add_service(self.server, meta_pb2, "MetaService", servicer, self.registry)
+        add_service(self.server, meta_pb2, "MetaService", _Gated(servicer, self.gate), self.registry)
         add_service(self.server, health_pb2, "Health", self.health.servicer)
         reflection.enable_server_reflection(
             (

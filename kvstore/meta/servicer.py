@@ -74,8 +74,10 @@ class MetaServicer:
         authority: Authority | None = None,
         quotas: Quotas | None = None,
         read_ticket_ttl_s: float = 600.0,
+        shard: tuple[int, int, int] = (0, 1, 0),
     ) -> None:
         self.index = index
+        self.shard, self.shards, self.epoch = shard
         self.read_ticket_ttl_s = read_ticket_ttl_s
         self.quotas = quotas or Quotas()
         self.link = link
@@ -167,6 +169,9 @@ class MetaServicer:
             lease_ttl_ms=int(lim.daemon_ttl_s * 1000),
             rejected=rejected,
             tickets=bool(key),
+            shard=self.shard,
+            shards=self.shards,
+            epoch=self.epoch,
         )
 
     async def DrainDaemon(self, request, context):
@@ -189,9 +194,11 @@ class MetaServicer:
             raise PermissionDenied(f"daemon {ident.name!r} may heartbeat only for itself")
         known = self.index.heartbeat(request.daemon_id)
         if not known:
-            return meta_pb2.HeartbeatResponse(known=False)
+            return meta_pb2.HeartbeatResponse(known=False, epoch=self.epoch)
         batch, items = self.link.heartbeat_batch(request.daemon_id, request.acked_batch)
-        return meta_pb2.HeartbeatResponse(known=True, invalidations=invalidations_pb(items), batch=batch)
+        return meta_pb2.HeartbeatResponse(
+            known=True, invalidations=invalidations_pb(items), batch=batch, epoch=self.epoch
+        )
 
     async def PutStart(self, request, context):
         n = len(request.keys) // KEY_BYTES

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CommitRequest(_message.Message):
-    __slots__ = ("keys", "segment", "offset", "length", "checksum", "gen")
+    __slots__ = ("keys", "segment", "offset", "length", "checksum", "gen", "shard", "epoch")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     GEN_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     segment: bytes
     offset: bytes
     length: bytes
     checksum: bytes
     gen: bytes
-    def __init__(self, keys: _Optional[bytes] = ..., segment: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., gen: _Optional[bytes] = ...) -> None: ...
+    shard: int
+    epoch: int
+    def __init__(self, keys: _Optional[bytes] = ..., segment: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., gen: _Optional[bytes] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("status", "stored_size")
@@ -32,10 +36,14 @@ class CommitResponse(_message.Message):
     def __init__(self, status: _Optional[bytes] = ..., stored_size: _Optional[bytes] = ...) -> None: ...
 
 class InvalidateRequest(_message.Message):
-    __slots__ = ("invalidations",)
+    __slots__ = ("invalidations", "shard", "epoch")
     INVALIDATIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     invalidations: _containers.RepeatedCompositeFieldContainer[_common_pb2.Invalidation]
-    def __init__(self, invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ...) -> None: ...
+    shard: int
+    epoch: int
+    def __init__(self, invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class InvalidateResponse(_message.Message):
     __slots__ = ("cleared",)
@@ -44,7 +52,7 @@ class InvalidateResponse(_message.Message):
     def __init__(self, cleared: _Optional[int] = ...) -> None: ...
 
 class MoveRequest(_message.Message):
-    __slots__ = ("keys", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum", "src_gen", "dst_gen")
+    __slots__ = ("keys", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum", "src_gen", "dst_gen", "shard", "epoch")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SRC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +62,8 @@ class MoveRequest(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SRC_GEN_FIELD_NUMBER: _ClassVar[int]
     DST_GEN_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     src_segment: bytes
     src_offset: bytes
@@ -63,7 +73,9 @@ class MoveRequest(_message.Message):
     checksum: bytes
     src_gen: bytes
     dst_gen: bytes
-    def __init__(self, keys: _Optional[bytes] = ..., src_segment: _Optional[bytes] = ..., src_offset: _Optional[bytes] = ..., dst_segment: _Optional[bytes] = ..., dst_offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., src_gen: _Optional[bytes] = ..., dst_gen: _Optional[bytes] = ...) -> None: ...
+    shard: int
+    epoch: int
+    def __init__(self, keys: _Optional[bytes] = ..., src_segment: _Optional[bytes] = ..., src_offset: _Optional[bytes] = ..., dst_segment: _Optional[bytes] = ..., dst_offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., src_gen: _Optional[bytes] = ..., dst_gen: _Optional[bytes] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class MoveResponse(_message.Message):
     __slots__ = ("ok", "stored_size")

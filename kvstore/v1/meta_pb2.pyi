@@ -32,16 +32,22 @@ class RegisterDaemonRequest(_message.Message):
     def __init__(self, daemon: _Optional[_Union[_common_pb2.DaemonInfo, _Mapping]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.Inventory, _Mapping]]] = ..., ticket_key: _Optional[bytes] = ...) -> None: ...
 
 class RegisterDaemonResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "lease_ttl_ms", "rejected", "tickets")
+    __slots__ = ("heartbeat_interval_ms", "lease_ttl_ms", "rejected", "tickets", "shard", "shards", "epoch")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     TICKETS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     lease_ttl_ms: int
     rejected: int
     tickets: bool
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., rejected: _Optional[int] = ..., tickets: _Optional[bool] = ...) -> None: ...
+    shard: int
+    shards: int
+    epoch: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., rejected: _Optional[int] = ..., tickets: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("daemon_id", "acked_batch")
@@ -52,14 +58,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, daemon_id: _Optional[str] = ..., acked_batch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "invalidations", "batch")
+    __slots__ = ("known", "invalidations", "batch", "epoch")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     INVALIDATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     known: bool
     invalidations: _containers.RepeatedCompositeFieldContainer[_common_pb2.Invalidation]
     batch: int
-    def __init__(self, known: _Optional[bool] = ..., invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ..., batch: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, known: _Optional[bool] = ..., invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ..., batch: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class DrainDaemonRequest(_message.Message):
     __slots__ = ("daemon_id",)

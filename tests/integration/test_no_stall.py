@@ -92,7 +92,7 @@ async def test_daemon_heartbeat_loop_survives_injected_failures(tmp_path, caplog
     meta, daemon, _, ctl = await _pair(tmp_path)
     try:
         await _until(lambda: _ok(_status(ctl), SERVING))
-        real = daemon._stub
+        real = daemon.links[0].stub
         fails = {"left": 5}
 
         class Flaky:
@@ -107,7 +107,7 @@ async def test_daemon_heartbeat_loop_survives_injected_failures(tmp_path, caplog
 
                 return call
 
-        daemon._stub = Flaky()
+        daemon.links[0].stub = Flaky()
         await _until(lambda: _ok(_status(ctl), NOT_SERVING))
         await _until(lambda: _ok(_status(ctl), SERVING))
         assert fails["left"] == 0

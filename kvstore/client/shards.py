@@ -1,0 +1,451 @@
+"""The client's side of a sharded cluster: a stand-in for the metadata service's stub that sends
+each call to the shards owning its keys, in parallel, and combines their answers, so that the
+rest of the client (reads, writes, lookups) does not know there are shards.
+
+- The slot map and each shard's leader come from Redis (:mod:`kvstore.cluster.coord`); a call
+  that finds its shard's leader gone (UNAVAILABLE: the process died, or its lease ran out) looks
+  the leader up again and is sent again until ``client.rpc_timeout_s``, so a failover costs
+  callers a delay, not an error, when it is shorter than that.
+- Lookups and leases: the leading hit count of a chain is its first miss over all shards; the
+  locations of the hits are merged in key order (each shard numbers its own segments, so the
+  rows' segment references are renumbered).
+- Puts and leases that span shards get one id here, standing for the shards' own ids; a commit,
+  abort or release is split back by it. A put whose shard changed leader meanwhile is unknown to
+  the new one (its commit answers NOT_FOUND): the writer puts again.
+- A chain's blocks spread over shards, so "admit the chain in order" and "evict the tail first"
+  hold within each shard's part of the chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvstore import tickets
+from kvstore.cluster.coord import Coordinator
+from kvstore.errors import NotFound, Unavailable, from_rpc_error
+from kvstore.keys import KEY_BYTES
+from kvstore.rpc import GRPC_OPTIONS
+from kvstore.tls import TlsConfig, aio_channel
+from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
+from kvstore.wire import ROW_DTYPE, U32, pack, unpack
+
+log = logging.getLogger("kvstore.client")
+
+_RETRY_S = 0.1
+# Multi-shard puts and leases remembered at most this long (their deadlines are shorter).
+_FORGET_S = 900.0
+
+
+def cluster_url(meta: str) -> tuple[str, str] | None:
+    """``(redis URL, cluster name)`` when ``client.meta`` names a cluster
+    (``redis://host:port[/db][#name]`` or ``sentinel://host:port,.../master[/db][#name]``)."""
+    if not meta.startswith(("redis://", "sentinel://")):
+        return None
+    url, _, name = meta.partition("#")
+    return url, name or "kvstore"
+
+
+def merge_locations(
+    parts: Sequence[tuple[common_pb2.Locations, Sequence[int]]], count: int, asked: bytes
+) -> common_pb2.Locations:
+    """One Locations of ``count`` rows from shards' Locations, each with the output row of each of
+    its rows (``asked``: the keys of the output rows, for rows a shard sent no stored key for)."""
+    rows = np.zeros(count, dtype=ROW_DTYPE)
+    with_tickets = any(loc.tickets for loc, _ in parts)
+    with_keys = any(loc.keys for loc, _ in parts)
+    tick = bytearray(count * tickets.TICKET.size) if with_tickets else None
+    keys = bytearray(asked[: count * KEY_BYTES]) if with_keys else None
+    segments = []
+    refs = itertools.count(1)
+    for loc, where in parts:
+        if not len(where):
+            continue
+        idx = np.asarray(where, dtype=np.int64)
+        # A shard's rows are in key order: those before the merged hit count are a prefix.
+        part = np.frombuffer(loc.rows, dtype=ROW_DTYPE)[: len(idx)].copy()
+        renumber = {}
+        for ref in loc.segments:
+            new = renumber[ref.ref] = next(refs)
+            segments.append(common_pb2.SegmentRef(ref=new, daemon=ref.daemon, segment_id=ref.segment_id, tier=ref.tier))
+        part["ref"] = [renumber.get(int(r), 0) for r in part["ref"]]
+        rows[idx] = part
+        t = tickets.TICKET.size
+        for j, i in enumerate(where):
+            if tick is not None and loc.tickets:
+                tick[i * t : (i + 1) * t] = loc.tickets[j * t : (j + 1) * t]
+            if keys is not None and loc.keys:
+                keys[i * KEY_BYTES : (i + 1) * KEY_BYTES] = loc.keys[j * KEY_BYTES : (j + 1) * KEY_BYTES]
+    return common_pb2.Locations(
+        rows=rows.tobytes() if count else b"",
+        segments=segments,
+        tickets=bytes(tick) if tick is not None else b"",
+        keys=bytes(keys) if keys is not None else b"",
+    )
+
+
+def _leading(positions: np.ndarray, hit: int, n: int) -> int:
+    """The global position of a shard's first miss (``n``: it missed none)."""
+    return int(positions[hit]) if hit < len(positions) else n
+
+
+class ShardedMeta:
+    """Stands in for ``MetaServiceStub`` over the shards of a cluster (see the module text)."""
+
+    def __init__(self, url: str, cluster: str, tls: TlsConfig | None, token: str, timeout_s: float) -> None:
+        self.coord = Coordinator(url, cluster, timeout_s=min(1.0, timeout_s))
+        self.tls = tls
+        self.token = token
+        self.timeout_s = timeout_s
+        self.smap = None
+        self._stubs: dict[int, tuple[str, grpc.aio.Channel, meta_pb2_grpc.MetaServiceStub]] = {}
+        self._ids = itertools.count(1)
+        # Spanning puts and leases: our id -> (created, [(shard, its id, global rows)]).
+        self._puts: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
+        self._leases: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
+        self._lock = asyncio.Lock()
+
+    # ---- routing ------------------------------------------------------------------------------
+
+    async def _map(self):  # noqa: ANN202
+        if self.smap is None:
+            self.smap = await self.coord.slot_map()
+        return self.smap
+
+    async def _stub(self, shard: int, fresh: bool) -> meta_pb2_grpc.MetaServiceStub | None:
+        cached = self._stubs.get(shard)
+        if cached is not None and not fresh:
+            return cached[2]
+        smap = await self._map()
+        try:
+            leader = (await self.coord.leaders(smap.shards))[shard]
+        except Unavailable:
+            leader = None
+        if leader is None:
+            return None
+        if cached is None or cached[0] != leader.addr:
+            if cached is not None:
+                asyncio.ensure_future(cached[1].close())
+            ch = aio_channel(leader.addr, self.tls, GRPC_OPTIONS, token=self.token)
+            cached = self._stubs[shard] = (leader.addr, ch, meta_pb2_grpc.MetaServiceStub(ch))
+        return cached[2]
+
+    async def call(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
+        """One shard's answer, its leader looked up again (and the call sent again) while the
+        shard is unavailable, until ``timeout``. Errors are kvstore.errors classes."""
+        deadline = time.monotonic() + (timeout or self.timeout_s)
+        fresh = False
+        while True:
+            stub = await self._stub(shard, fresh)
+            left = deadline - time.monotonic()
+            why = f"shard {shard} has no leader"
+            if stub is not None and left > 0:
+                try:
+                    return await getattr(stub, method)(request, timeout=left)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise from_rpc_error(e) from None
+                    why = e.details() or "unavailable"
+            if time.monotonic() + _RETRY_S >= deadline:
+                raise Unavailable(f"{method}: metadata shard {shard}: {why}")
+            fresh = True
+            await asyncio.sleep(_RETRY_S)
+
+    async def _fan(self, method: str, requests: dict[int, Any], timeout: float | None) -> dict[int, Any]:
+        shards = list(requests)
+        answers = await asyncio.gather(*(self.call(s, method, requests[s], timeout) for s in shards))
+        return dict(zip(shards, answers))
+
+    async def _split(self, packed: bytes) -> dict[int, np.ndarray]:
+        return (await self._map()).split(packed)
+
+    @staticmethod
+    def _sub(packed: bytes, pos: np.ndarray) -> bytes:
+        n = len(packed) // KEY_BYTES
+        if len(pos) == n:
+            return packed
+        return np.frombuffer(packed, dtype=np.uint8).reshape(n, KEY_BYTES)[pos].tobytes()
+
+    def _remember(self, table: dict, parts: list) -> int:
+        now = time.monotonic()
+        if len(table) > 4096:
+            for k in [k for k, (t, _) in table.items() if now - t > _FORGET_S]:
+                del table[k]
+        key = next(self._ids)
+        table[key] = (now, parts)
+        return key
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    async def _chain(self, method: str, request: Any, make: Any, timeout: float | None, located: bool = True) -> tuple:
+        """Sends ``make(keys)`` for each shard's part of ``request.keys``; returns (the split, the
+        answers, the merged leading hit count, the merged locations of the hits or None)."""
+        n = len(request.keys) // KEY_BYTES
+        split = await self._split(request.keys)
+        reqs = {s: make(self._sub(request.keys, pos)) for s, pos in split.items()}
+        answers = await self._fan(method, reqs, timeout) if reqs else {}
+        hit = min((_leading(split[s], a.hit_count, n) for s, a in answers.items()), default=0)
+        locations = None
+        if hit and located:
+            parts = [(a.locations, [int(p) for p in split[s][: a.hit_count] if p < hit]) for s, a in answers.items()]
+            locations = merge_locations(parts, hit, request.keys)
+        return split, answers, hit, locations
+
+    async def Lookup(self, request: meta_pb2.LookupRequest, timeout: float | None = None) -> meta_pb2.LookupResponse:
+        split, answers, hit, locations = await self._chain(
+            "Lookup",
+            request,
+            lambda keys: meta_pb2.LookupRequest(
+                keys=keys, per_key=request.per_key, with_locations=request.with_locations
+            ),
+            timeout,
+            request.with_locations,
+        )
+        out = meta_pb2.LookupResponse(hit_count=hit)
+        if request.per_key:
+            exists = np.zeros(len(request.keys) // KEY_BYTES, dtype=np.uint8)
+            for s, a in answers.items():
+                exists[split[s]] = np.frombuffer(a.exists, dtype=np.uint8)
+            out.exists = exists.tobytes()
+        if request.with_locations and locations is not None:
+            out.locations.CopyFrom(locations)
+        return out
+
+    async def Acquire(self, request: meta_pb2.AcquireRequest, timeout: float | None = None) -> meta_pb2.AcquireResponse:
+        split, answers, hit, locations = await self._chain(
+            "Acquire",
+            request,
+            lambda keys: meta_pb2.AcquireRequest(keys=keys, ttl_ms=request.ttl_ms, host_id=request.host_id),
+            timeout,
+        )
+        leases = [(s, a.lease_id, split[s][: a.hit_count]) for s, a in answers.items() if a.lease_id]
+        out = meta_pb2.AcquireResponse(hit_count=hit, ttl_ms=min((a.ttl_ms for a in answers.values()), default=0))
+        if leases:
+            out.lease_id = self._remember(self._leases, leases)
+        if locations is not None:
+            out.locations.CopyFrom(locations)
+        return out
+
+    async def Release(self, request: meta_pb2.ReleaseRequest, timeout: float | None = None) -> meta_pb2.ReleaseResponse:
+        entry = self._leases.pop(request.lease_id, None)
+        if entry is None:
+            return meta_pb2.ReleaseResponse(released=False)
+        corrupt = set(unpack(request.corrupt, U32, "corrupt"))
+        reqs = {}
+        for s, lease_id, rows in entry[1]:
+            local = [j for j, g in enumerate(rows) if int(g) in corrupt]
+            reqs[s] = meta_pb2.ReleaseRequest(lease_id=lease_id, corrupt=pack(local, U32))
+        answers = await self._fan_each("Release", [(s, r) for s, r in reqs.items()], timeout)
+        return meta_pb2.ReleaseResponse(released=all(a.released for a in answers if a is not None))
+
+    async def Touch(self, request: meta_pb2.TouchRequest, timeout: float | None = None) -> meta_pb2.TouchResponse:
+        per: dict[int, list[bytes]] = {}
+        for chain in request.chains:
+            for s, pos in (await self._split(chain)).items():
+                per.setdefault(s, []).append(self._sub(chain, pos))
+        answers = await self._fan("Touch", {s: meta_pb2.TouchRequest(chains=c) for s, c in per.items()}, timeout)
+        return meta_pb2.TouchResponse(stored=sum(a.stored for a in answers.values()))
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    async def PutStart(
+        self, request: meta_pb2.PutStartRequest, timeout: float | None = None
+    ) -> meta_pb2.PutStartResponse:
+        n = len(request.keys) // KEY_BYTES
+        sizes = np.frombuffer(request.sizes, dtype="<u8")
+        split = await self._split(request.keys)
+        reqs = {
+            s: meta_pb2.PutStartRequest(
+                keys=self._sub(request.keys, pos),
+                sizes=sizes[pos].tobytes() if len(sizes) == n else request.sizes,
+                chain=request.chain,
+                host_id=request.host_id,
+                timeout_ms=request.timeout_ms,
+                exclude_daemons=request.exclude_daemons,
+            )
+            for s, pos in split.items()
+        }
+        answers = await self._fan_each("PutStart", list(reqs.items()), timeout)
+        status = np.full(n, 3, dtype=np.uint8)  # a shard that could not be reached: no space there
+        puts, started = [], []
+        for (s, _r), a in zip(reqs.items(), answers):
+            if a is None:
+                continue
+            local = np.frombuffer(a.status, dtype=np.uint8)
+            status[split[s]] = local
+            started.append((s, a))
+        alloc_pos = np.flatnonzero(status == 0)
+        order = {int(p): k for k, p in enumerate(alloc_pos)}  # global key -> placement row
+        parts = []
+        for s, a in started:
+            local = np.frombuffer(a.status, dtype=np.uint8)
+            mine = split[s][local == 0]
+            rows = np.asarray([order[int(p)] for p in mine], dtype=np.int64)
+            if a.put_id:
+                puts.append((s, a.put_id, rows))
+            parts.append((a.placements, rows.tolist()))
+        out = meta_pb2.PutStartResponse(
+            status=status.tobytes(),
+            deadline_unix_ms=min((a.deadline_unix_ms for _s, a in started if a.deadline_unix_ms), default=0),
+        )
+        if puts:
+            out.put_id = self._remember(self._puts, puts)
+        if len(alloc_pos):
+            asked = self._sub(request.keys, alloc_pos)
+            out.placements.CopyFrom(merge_locations(parts, len(alloc_pos), asked))
+        if not started and reqs:
+            raise Unavailable("put: no metadata shard of its keys could be reached")
+        return out
+
+    async def _fan_each(self, method: str, reqs: list[tuple[int, Any]], timeout: float | None) -> list[Any]:
+        """Each shard's answer, or None where that shard failed with a retryable error (the
+        others' answers stand: a put or release on them must not be lost with it)."""
+
+        async def one(s: int, r: Any) -> Any:
+            try:
+                return await self.call(s, method, r, timeout)
+            except (Unavailable, NotFound) as e:
+                log.info("event=shard_call_failed shard=%d method=%s reason=%r", s, method, str(e))
+                return None
+
+        return list(await asyncio.gather(*(one(s, r) for s, r in reqs)))
+
+    async def PutCommit(
+        self, request: meta_pb2.PutCommitRequest, timeout: float | None = None
+    ) -> meta_pb2.PutCommitResponse:
+        entry = self._puts.pop(request.put_id, None)
+        if entry is None:
+            raise NotFound(f"put {request.put_id} is unknown (already ended)")
+        parts = entry[1]
+        total = sum(len(rows) for _s, _p, rows in parts)
+        sums = np.frombuffer(request.checksums, dtype="<u8")
+        written = np.frombuffer(request.written, dtype=np.uint8)
+        if len(sums) != total or len(written) != total:
+            raise Unavailable(f"put {request.put_id}: {len(sums)} checksums for {total} placements")
+        reqs = [
+            (
+                s,
+                meta_pb2.PutCommitRequest(
+                    put_id=put_id, checksums=sums[rows].tobytes(), written=written[rows].tobytes()
+                ),
+            )
+            for s, put_id, rows in parts
+        ]
+        answers = await self._fan_each("PutCommit", reqs, timeout)
+        status = np.full(total, common_pb2.COMMIT_UNAVAILABLE, dtype=np.uint8)
+        committed = 0
+        for (_s, _p, rows), a in zip(parts, answers):
+            if a is None:  # that shard lost the put (a new leader): those blocks were not stored
+                continue
+            committed += a.committed
+            status[rows] = np.frombuffer(a.status, dtype=np.uint8) if a.status else common_pb2.COMMIT_OK
+        return meta_pb2.PutCommitResponse(committed=committed, status=status.tobytes())
+
+    async def PutAbort(
+        self, request: meta_pb2.PutAbortRequest, timeout: float | None = None
+    ) -> meta_pb2.PutAbortResponse:
+        entry = self._puts.pop(request.put_id, None)
+        if entry is None:
+            return meta_pb2.PutAbortResponse()
+        answers = await self._fan_each(
+            "PutAbort", [(s, meta_pb2.PutAbortRequest(put_id=p)) for s, p, _rows in entry[1]], timeout
+        )
+        return meta_pb2.PutAbortResponse(released=sum(a.released for a in answers if a is not None))
+
+    # ---- management ---------------------------------------------------------------------------
+
+    async def _keys_call(
+        self, method: str, request: meta_pb2.KeysRequest, timeout: float | None
+    ) -> meta_pb2.CountResponse:
+        split = await self._split(request.keys)
+        reqs = {
+            s: meta_pb2.KeysRequest(keys=self._sub(request.keys, pos), tenant=request.tenant)
+            for s, pos in split.items()
+        }
+        answers = await self._fan(method, reqs, timeout) if reqs else {}
+        return meta_pb2.CountResponse(count=sum(a.count for a in answers.values()))
+
+    async def Remove(self, request: meta_pb2.KeysRequest, timeout: float | None = None) -> meta_pb2.CountResponse:
+        return await self._keys_call("Remove", request, timeout)
+
+    async def Pin(self, request: meta_pb2.KeysRequest, timeout: float | None = None) -> meta_pb2.CountResponse:
+        return await self._keys_call("Pin", request, timeout)
+
+    async def Unpin(self, request: meta_pb2.KeysRequest, timeout: float | None = None) -> meta_pb2.CountResponse:
+        return await self._keys_call("Unpin", request, timeout)
+
+    async def shard_stats(self, timeout: float | None = None) -> dict[int, meta_pb2.StatsResponse | None]:
+        smap = await self._map()
+        reqs = [(s, meta_pb2.StatsRequest()) for s in range(smap.shards)]
+        answers = await self._fan_each("Stats", reqs, timeout)
+        return dict(zip(range(smap.shards), answers))
+
+    async def Stats(self, request: meta_pb2.StatsRequest, timeout: float | None = None) -> meta_pb2.StatsResponse:
+        """The shards' stats added up: a daemon once, a segment's arenas as one segment."""
+        per = await self.shard_stats(timeout)
+        if any(a is None for a in per.values()):
+            missing = [s for s, a in per.items() if a is None]
+            raise Unavailable(f"stats: metadata shards {missing} could not be reached")
+        out = meta_pb2.StatsResponse()
+        daemons, segments = {}, {}
+        for a in per.values():
+            for d in a.daemons:
+                seen = daemons.get(d.info.daemon_id)
+                if seen is None or (d.alive and not seen.alive):
+                    daemons[d.info.daemon_id] = d
+            for seg in a.segments:
+                k = (seg.daemon_id, seg.segment_id)
+                if k not in segments:
+                    segments[k] = meta_pb2.SegmentStats()
+                    segments[k].CopyFrom(seg)
+                    continue
+                acc = segments[k]
+                for f in ("capacity_bytes", "used_bytes", "blocks", "pinned_blocks", "leased_blocks"):
+                    setattr(acc, f, getattr(acc, f) + getattr(seg, f))
+            for name, v in a.counters.items():
+                out.counters[name] = out.counters.get(name, 0) + v
+            out.keys += a.keys
+            out.pending_puts += a.pending_puts
+            out.active_leases += a.active_leases
+        out.daemons.extend(daemons.values())
+        out.segments.extend(segments.values())
+        return out
+
+    async def state(self) -> dict:
+        smap = await self._map()
+        leaders = await self.coord.leaders(smap.shards)
+        per = await self.shard_stats(min(self.timeout_s, 3.0))
+        slots = np.bincount(smap.owners, minlength=smap.shards)
+        shards = []
+        for k in range(smap.shards):
+            lead, st = leaders[k], per.get(k)
+            row: dict = {"shard": k, "slots": int(slots[k])}
+            if lead is not None:
+                row.update(leader=lead.node, addr=lead.addr, epoch=lead.epoch)
+            if st is not None:
+                row.update(keys=st.keys, daemons=sum(1 for d in st.daemons if d.alive))
+            shards.append(row)
+        return {
+            "name": self.coord.prefix,
+            "redis": self.coord.url,
+            "shards": shards,
+            "members": await self.coord.members(),
+        }
+
+    async def AdvanceClock(self, request: meta_pb2.AdvanceClockRequest, timeout: float | None = None) -> Any:
+        smap = await self._map()
+        answers = await self._fan("AdvanceClock", dict.fromkeys(range(smap.shards), request), timeout)
+        return answers[0]
+
+    async def close(self) -> None:
+        for _addr, ch, _stub in self._stubs.values():
+            await ch.close()
+        self._stubs.clear()
+        await self.coord.close()

@@ -1,0 +1,242 @@
+"""The daemon's links to the metadata service: one per shard (one in all without a cluster).
+
+Each link registers the daemon with its shard's leader, with the inventory of the blocks in that
+shard's arena of each segment (:func:`kvstore.cluster.slots.arena_of`), then heartbeats it,
+applies the tombstones that come back, and registers again whenever the leader does not know the
+daemon (it restarted, our lease lapsed, or another process leads the shard now). In a cluster the
+leader's address comes from Redis (:mod:`kvstore.cluster.coord`) and is looked up again after
+every failed call, so a new leader is found within a heartbeat.
+
+Fencing: at each registration the link learns its shard's leader epoch. The daemon refuses
+control calls (commit, invalidate, move) of that shard that carry another epoch, and when the
+epoch changes the link signs that shard's data-port tickets with a new key, so tickets a stale
+leader hands out are refused too (:meth:`kvstore.daemon.server.CacheDaemon.ticket_key_for`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from kvstore import tickets
+from kvstore.cluster.slots import arena_of
+from kvstore.errors import Unavailable
+from kvstore.keys import KEY_BYTES
+from kvstore.rpc import GRPC_OPTIONS
+from kvstore.tls import aio_channel
+from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvstore.daemon.server import CacheDaemon
+
+log = logging.getLogger("kvstore.daemon")
+
+# Consecutive unexpected heartbeat-loop failures after which the daemon reports NOT_SERVING.
+LOOP_FAILURES_UNHEALTHY = 3
+# While a link is not registered, it tries again this often (a shard's failover waits on it).
+RETRY_S = 0.1
+
+
+def shard_inventory(invs: list[common_pb2.Inventory], sizes: dict[int, tuple[int, int]], shard: int, shards: int):
+    """The blocks of ``invs`` whose extents lie in shard ``shard``'s arena (``sizes``: segment id
+    -> (capacity, alignment))."""
+    if shards <= 1:
+        return invs
+    out = []
+    for inv in invs:
+        n = len(inv.keys) // KEY_BYTES
+        if not n:
+            continue
+        cap, align = sizes[inv.segment_id]
+        offs = np.frombuffer(inv.offset, dtype="<u8")
+        mine = np.array([arena_of(int(o), cap, align, shards) == shard for o in offs], dtype=bool)
+        if not mine.any():
+            continue
+        keys = np.frombuffer(inv.keys, dtype=np.uint8).reshape(n, KEY_BYTES)[mine].tobytes()
+
+        def col(data: bytes, mine: np.ndarray = mine) -> bytes:
+            return np.frombuffer(data, dtype="<u8")[mine].tobytes() if data else b""
+
+        out.append(
+            common_pb2.Inventory(
+                segment_id=inv.segment_id,
+                keys=keys,
+                offset=col(inv.offset),
+                length=col(inv.length),
+                checksum=col(inv.checksum),
+                gen=col(inv.gen),
+                size=col(inv.size),
+            )
+        )
+    return out
+
+
+class MetaLink:
+    """Registration with and heartbeats to one shard's leader."""
+
+    def __init__(self, daemon: CacheDaemon, shard: int, shards: int, coord=None) -> None:  # noqa: ANN001
+        self.d = daemon
+        self.shard = shard
+        self.shards = shards
+        self.coord = coord  # kvstore.cluster.coord.Coordinator, or None: daemon.meta is the service
+        self.addr = "" if coord is not None else daemon.cfg.meta
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: meta_pb2_grpc.MetaServiceStub | None = None
+        self.epoch = 0
+        self.ticket_key = daemon.ticket_key
+        self.registered = False  # registered with the current leader (and not forgotten since)
+        self.need_register = True
+        self.heartbeated = False  # a heartbeat answered since the registration (its tombstones applied)
+        self.acked_batch = 0
+        self.last_contact = 0.0  # loop time of the last answered heartbeat or registration
+        self.lease_ttl = 3.0  # the service's daemon lease, learnt at registration
+        self.failures = 0
+        self.task: asyncio.Task | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Known to its shard: registered, heard from within a lease, the loop not failing."""
+        loop = asyncio.get_running_loop()
+        return (
+            not self.need_register
+            and loop.time() - self.last_contact < self.lease_ttl
+            and self.failures < LOOP_FAILURES_UNHEALTHY
+        )
+
+    async def _connect(self) -> bool:
+        """A stub for the shard's current leader (looked up in Redis in a cluster)."""
+        if self.coord is not None:
+            try:
+                leader = (await self.coord.leaders(self.shards))[self.shard]
+            except Unavailable as e:
+                log.debug("event=leader_lookup_failed shard=%d error=%s", self.shard, e)
+                leader = None
+            if leader is None:
+                return self.stub is not None
+            if leader.addr != self.addr or self.stub is None:
+                await self.close()
+                self.addr = leader.addr
+                self.need_register = True
+        if self.stub is None:
+            self.channel = aio_channel(self.addr, self.d.tls, GRPC_OPTIONS, token=self.d.cfg.token)
+            self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
+        return True
+
+    async def register(self) -> float:
+        assert self.stub is not None
+        d = self.d
+        invs, discarded = await asyncio.to_thread(d.inventory, True)
+        invs = shard_inventory(invs, d.segment_sizes(), self.shard, self.shards)
+        # One service alone keeps the daemon's key across its restarts; a shard's leader gets a
+        # key of this registration only, so tickets of an earlier leader stop serving.
+        key = self.ticket_key if self.coord is None else tickets.new_key()
+        resp = await self.stub.RegisterDaemon(
+            meta_pb2.RegisterDaemonRequest(daemon=d.info(), inventory=invs, ticket_key=key), timeout=30
+        )
+        if resp.shards != self.shards or resp.shard != self.shard:
+            raise Unavailable(
+                f"the service at {self.addr} is shard {resp.shard} of {resp.shards}, this link is for shard "
+                f"{self.shard} of {self.shards}"
+            )
+        if resp.epoch != self.epoch:
+            # A new leader: control calls of the old one are refused from here on.
+            log.info(
+                "event=shard_epoch daemon=%s shard=%d epoch=%d was=%d", d.daemon_id, self.shard, resp.epoch, self.epoch
+            )
+            self.epoch = resp.epoch
+            self.acked_batch = 0
+        self.ticket_key = key
+        # The service signs tickets for our placements (meta.data_tickets): require them.
+        d.dataport.require_tickets = resp.tickets
+        d.counters["registrations"] += 1
+        blocks = sum(len(i.keys) // KEY_BYTES for i in invs)
+        log.info(
+            "event=registered daemon=%s shard=%d epoch=%d blocks=%d discarded=%d rejected=%d",
+            d.daemon_id, self.shard, self.epoch, blocks, discarded, resp.rejected,
+        )  # fmt: skip
+        self.lease_ttl = max(resp.lease_ttl_ms / 1000.0, 0.01)
+        self.last_contact = asyncio.get_running_loop().time()
+        self.need_register = False
+        self.heartbeated = False
+        self.registered = True
+        return max(resp.heartbeat_interval_ms / 1000.0, 0.01)
+
+    async def run(self) -> None:
+        """Registers, then heartbeats every interval for as long as the daemon runs. Survives
+        any failure (logged)."""
+        d = self.d
+        loop = asyncio.get_running_loop()
+        interval = 0.5
+        while not d.draining:
+            try:
+                if not await self._connect():
+                    raise Unavailable(f"shard {self.shard} has no leader")
+                if self.need_register:
+                    interval = await self.register()
+                else:
+                    assert self.stub is not None
+                    resp = await self.stub.Heartbeat(
+                        meta_pb2.HeartbeatRequest(daemon_id=d.daemon_id, acked_batch=self.acked_batch),
+                        timeout=self._heartbeat_timeout(),
+                    )
+                    if resp.epoch != self.epoch:
+                        self._forgotten(f"epoch {resp.epoch} answered, registered with {self.epoch}")
+                        await d.links_changed()
+                        continue
+                    if resp.invalidations:
+                        await d.run(d.invalidate, resp.invalidations)
+                    self.acked_batch = resp.batch
+                    if not resp.known:
+                        self._forgotten("unknown to the service")
+                        await d.links_changed()
+                        continue
+                    self.heartbeated = True
+                self.last_contact = loop.time()
+                self.failures = 0
+            except (grpc.aio.AioRpcError, Unavailable) as e:
+                # A restarted service answers "unknown" to the next heartbeat; until then, wait.
+                # In a cluster, the next round looks the shard's leader up again.
+                d.counters["heartbeat_failures"] += 1
+                log.debug("event=meta_unreachable shard=%d error=%s", self.shard, e)
+            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+                d.counters["heartbeat_failures"] += 1
+                self.failures += 1
+                log.exception("event=heartbeat_loop_error daemon=%s consecutive=%d", d.daemon_id, self.failures)
+            await d.links_changed()
+            await asyncio.sleep(RETRY_S if (self.need_register or not self.ok) and self.coord is not None else interval)
+
+    def _heartbeat_timeout(self) -> float:
+        """5 s for one service; in a cluster half a daemon lease, so that a leader that hangs
+        (paused, cut off) is left for the one Redis names before our lease with it runs out."""
+        return 5.0 if self.coord is None else max(0.3, min(5.0, self.lease_ttl / 2))
+
+    def _forgotten(self, why: str) -> None:
+        log.info(
+            "event=meta_forgot_us daemon=%s shard=%d reason=%r action=reregister", self.d.daemon_id, self.shard, why
+        )
+        self.need_register = True
+        self.registered = False
+
+    async def drain(self) -> tuple[int, int, int] | None:
+        """Tells the shard the daemon leaves: (blocks dropped, leases held, wait ms), or None if
+        the shard could not be told."""
+        if self.stub is None or not self.registered:
+            return None
+        try:
+            resp = await self.stub.DrainDaemon(meta_pb2.DrainDaemonRequest(daemon_id=self.d.daemon_id), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            log.warning(
+                "event=drain_unannounced daemon=%s shard=%d code=%s effect=blocks_leave_index_at_lease_expiry",
+                self.d.daemon_id, self.shard, e.code().name,
+            )  # fmt: skip
+            return None
+        return resp.dropped, resp.leases, resp.lease_wait_ms
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            ch, self.channel, self.stub = self.channel, None, None
+            await ch.close()

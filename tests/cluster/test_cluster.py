@@ -1,0 +1,140 @@
+"""A sharded cluster on loopback (kvstore.cluster.testbed): Redis, 2 metadata shards with a
+primary and a standby each, 2 daemons, all separate processes. Reads and writes spread over the
+shards; a killed primary's standby takes over with the daemons' blocks; `kvstore stat` shows the
+shards; a daemon refuses control calls of an older epoch."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.client import SyncKVStoreClient
+from kvstore.cluster.slots import SlotMap
+from kvstore.cluster.testbed import Testbed
+from kvstore.v1 import daemon_pb2, daemon_pb2_grpc
+
+pytestmark = pytest.mark.timeout(180)
+
+BLOCK = 8192
+
+
+@pytest.fixture(scope="module")
+def tb(tmp_path_factory):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    with Testbed(tmp_path_factory.mktemp("cluster")) as t:
+        t.start_redis()
+        t.start_shards(2)
+        t.start_daemon(0, name="da")
+        t.start_daemon(0, name="db")
+        yield t
+
+
+def _chains(rng, n: int, length: int = 6):
+    return [
+        ([rng.bytes(16) for _ in range(length)], [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(length)])
+        for _ in range(n)
+    ]
+
+
+def _read(c, keys, bufs) -> int:
+    out = [np.zeros(BLOCK, dtype=np.uint8) for _ in keys]
+    n = c.get_into(keys, out)
+    for a, b in zip(out[:n], bufs[:n]):
+        assert (a == b).all(), "wrong bytes returned"
+    return n
+
+
+def test_blocks_spread_over_shards_and_read_back(tb):
+    rng = np.random.default_rng(0)
+    chains = _chains(rng, 20)
+    smap = SlotMap.even(2)
+    with SyncKVStoreClient(config=tb.client_config()) as c:
+        for keys, bufs in chains:
+            assert c.put(keys, bufs).stored == len(keys)
+        owners = {smap.shard_of(k) for keys, _ in chains for k in keys}
+        assert owners == {0, 1}
+        for keys, bufs in chains:
+            assert c.lookup(keys) == len(keys)
+            assert _read(c, keys, bufs) == len(keys)
+        # The leading hit count is the first miss over both shards.
+        keys, _ = chains[0]
+        assert c.remove([keys[3]]) == 1
+        assert c.lookup(keys) == 3
+        assert c.exists(keys) == [True, True, True, False, True, True]
+        assert c.put(keys[:3], chains[0][1][:3]).skipped == 3  # dedup, per shard
+        st = c.stats()
+        assert st.keys == 20 * 6 - 1
+        assert {d.info.daemon_id for d in st.daemons} == {"da", "db"}
+        state = c.cluster_state()
+        assert [s["shard"] for s in state["shards"]] == [0, 1]
+        assert all(s["epoch"] > 0 and s["daemons"] == 2 for s in state["shards"])
+        assert sum(s["keys"] for s in state["shards"]) == st.keys
+    # A fresh client (no known locations) reads through the leases of both shards.
+    with SyncKVStoreClient(config=tb.client_config(location_cache=0)) as c:
+        for keys, bufs in chains[1:]:
+            assert _read(c, keys, bufs) == len(keys)
+
+
+def test_kvstore_stat_shows_shards_leaders_epochs_and_members(tb):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "stat", "--redis", tb.redis_url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    leaders = tb.leaders()
+    for lead in leaders:
+        assert lead.addr in out.stdout and str(lead.epoch) in out.stdout
+    assert "standby" in out.stdout and "leader" in out.stdout
+    assert "da" in out.stdout and "db" in out.stdout
+
+
+def test_killed_primary_is_replaced_and_loses_nothing(tb):
+    rng = np.random.default_rng(1)
+    chains = _chains(rng, 12)
+    with SyncKVStoreClient(config=tb.client_config(location_cache=0)) as c:
+        for keys, bufs in chains:
+            assert c.put(keys, bufs).stored == len(keys)
+        k, r = tb.leader_process(0)
+        old = tb.leaders()[0]
+        tb.kill(tb.shards[(k, r)])
+        t0 = time.monotonic()
+        while c.lookup(chains[0][0]) < len(chains[0][0]):
+            assert time.monotonic() - t0 < 20, "lookups not served again"
+            time.sleep(0.05)
+        new = tb.leaders()[0]
+        assert new.epoch > old.epoch and new.node != old.node
+        for keys, bufs in chains:  # every committed block, from the daemons' inventories
+            assert _read(c, keys, bufs) == len(keys)
+        # Writes go on through the new leader.
+        more = _chains(rng, 3)
+        for keys, bufs in more:
+            assert c.put(keys, bufs).stored == len(keys)
+            assert _read(c, keys, bufs) == len(keys)
+    tb.start_shard(k, r, 0)  # back, as a standby
+
+
+def test_daemon_refuses_control_calls_of_another_epoch(tb):
+    lead = tb.leaders()[1]
+    with SyncKVStoreClient(config=tb.client_config()) as c:
+        daemons = {d.info.daemon_id: d.info for d in c.stats().daemons}
+    ch = grpc.insecure_channel(daemons["da"].control_addr)
+    stub = daemon_pb2_grpc.DaemonControlStub(ch)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Invalidate(daemon_pb2.InvalidateRequest(shard=1, epoch=lead.epoch - 1), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "epoch" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Commit(daemon_pb2.CommitRequest(shard=9, epoch=lead.epoch), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # The current leader's epoch passes (an empty invalidation changes nothing).
+        assert stub.Invalidate(daemon_pb2.InvalidateRequest(shard=1, epoch=lead.epoch), timeout=5).cleared == 0
+    finally:
+        ch.close()
