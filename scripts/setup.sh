@@ -26,7 +26,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 "$VPY" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,bench,engine]"
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,bench,engine,cluster]"
 if [ "${KVSTORE_NO_TORCH:-0}" != "1" ] && ! "$VPY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$VPY" -m pip install -q --disable-pip-version-check torch
@@ -59,10 +59,12 @@ if [ "${KVSTORE_NO_LMCACHE:-0}" != "1" ] && "$VPY" -c "import vllm" 2>/dev/null 
     || echo "setup: could not install lmcache; the LMCache plugin's test will be skipped" >&2
 fi
 # The peers of bench/peers.py (which fails without them unless told --skip NAME; its test skips
-# without redis-server). Debian packages: redis-server, and libibverbs1 and libnuma1, which
-# Mooncake's native libraries link against.
+# without redis-server). Debian packages: redis-server (also a sharded cluster's coordination,
+# kvstore.cluster), iproute2 (the cluster fault suite's hosts are network namespaces), and
+# libibverbs1 and libnuma1, which Mooncake's native libraries link against.
 apt_missing=""
 command -v redis-server >/dev/null 2>&1 || apt_missing="redis-server"
+command -v ip >/dev/null 2>&1 || apt_missing="$apt_missing iproute2"
 for pkg in libibverbs1 libnuma1; do
   dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing="$apt_missing $pkg"
 done

@@ -91,6 +91,68 @@ def merge_locations(
     )
 
 
+class _Coalescer:
+    """Per shard: lookups without locations share one call. At most ``INFLIGHT`` calls are in
+    flight to the shard; lookups that come meanwhile wait and go together, as one per-key
+    ``Lookup`` (up to ``COALESCE_KEYS`` keys), whose per-key answer is split back to each. So
+    under load a shard pays its per-call cost once for many callers, and a fan-out over S
+    shards costs each shard one call per round, not one per caller."""
+
+    INFLIGHT = 2
+    COALESCE_KEYS = 8192
+
+    def __init__(self, meta: ShardedMeta, shard: int) -> None:
+        self.meta = meta
+        self.shard = shard
+        self.pending: list[tuple[bytes, asyncio.Future, float | None]] = []
+        self.inflight = 0
+
+    async def exists(self, keys: bytes, timeout: float | None) -> np.ndarray:
+        n = len(keys) // KEY_BYTES
+        if n > self.COALESCE_KEYS:  # alone: its size (and any refusal of it) is its own
+            req = meta_pb2.LookupRequest(keys=keys, per_key=True)
+            resp = await self.meta.call(self.shard, "Lookup", req, timeout)
+            return np.frombuffer(resp.exists, dtype=np.uint8)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((keys, fut, timeout))
+        if self.inflight < self.INFLIGHT:
+            self.inflight += 1
+            asyncio.ensure_future(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        try:
+            while self.pending:
+                batch, total = [], 0
+                while self.pending and total + len(self.pending[0][0]) // KEY_BYTES <= self.COALESCE_KEYS:
+                    item = self.pending.pop(0)
+                    total += len(item[0]) // KEY_BYTES
+                    if not item[1].done():  # a caller that gave up is not asked for
+                        batch.append(item)
+                if not batch:
+                    continue
+                timeout = min((t for _k, _f, t in batch if t), default=None)
+                req = meta_pb2.LookupRequest(keys=b"".join(k for k, _f, _t in batch), per_key=True)
+                try:
+                    resp = await self.meta.call(self.shard, "Lookup", req, timeout)
+                    bits = np.frombuffer(resp.exists, dtype=np.uint8)
+                    if len(bits) != total:
+                        raise Unavailable(f"shard {self.shard} answered {len(bits)} flags for {total} keys")
+                except Exception as e:  # noqa: BLE001 - every caller of the batch gets it
+                    for _k, f, _t in batch:
+                        if not f.done():
+                            f.set_exception(e)
+                    continue
+                at = 0
+                for k, f, _t in batch:
+                    n = len(k) // KEY_BYTES
+                    if not f.done():
+                        f.set_result(bits[at : at + n])
+                    at += n
+        finally:
+            self.inflight -= 1
+
+
 def _leading(positions: np.ndarray, hit: int, n: int) -> int:
     """The global position of a shard's first miss (``n``: it missed none)."""
     return int(positions[hit]) if hit < len(positions) else n
@@ -110,32 +172,45 @@ class ShardedMeta:
         # Spanning puts and leases: our id -> (created, [(shard, its id, global rows)]).
         self._puts: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
         self._leases: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
-        self._lock = asyncio.Lock()
+        self._lookups: dict[int, _Coalescer] = {}
+        self._redis_lock = asyncio.Lock()
+        self._refreshed = 0.0
 
     # ---- routing ------------------------------------------------------------------------------
 
     async def _map(self):  # noqa: ANN202
         if self.smap is None:
-            self.smap = await self.coord.slot_map()
+            async with self._redis_lock:  # one read for all the calls that need it at once
+                if self.smap is None:
+                    self.smap = await self.coord.slot_map()
         return self.smap
 
-    async def _stub(self, shard: int, fresh: bool) -> meta_pb2_grpc.MetaServiceStub | None:
-        cached = self._stubs.get(shard)
-        if cached is not None and not fresh:
-            return cached[2]
+    async def _refresh(self) -> None:
+        """Every shard's leader read again from Redis: once for all the calls that ask at once."""
         smap = await self._map()
-        try:
-            leader = (await self.coord.leaders(smap.shards))[shard]
-        except Unavailable:
-            leader = None
-        if leader is None:
-            return None
-        if cached is None or cached[0] != leader.addr:
-            if cached is not None:
-                asyncio.ensure_future(cached[1].close())
-            ch = aio_channel(leader.addr, self.tls, GRPC_OPTIONS, token=self.token)
-            cached = self._stubs[shard] = (leader.addr, ch, meta_pb2_grpc.MetaServiceStub(ch))
-        return cached[2]
+        async with self._redis_lock:
+            if time.monotonic() - self._refreshed < _RETRY_S / 2:
+                return
+            try:
+                leaders = await self.coord.leaders(smap.shards)
+            except Unavailable:
+                leaders = [None] * smap.shards
+            for shard, leader in enumerate(leaders):
+                cached = self._stubs.get(shard)
+                if leader is None:
+                    continue
+                if cached is None or cached[0] != leader.addr:
+                    if cached is not None:
+                        asyncio.ensure_future(cached[1].close())
+                    ch = aio_channel(leader.addr, self.tls, GRPC_OPTIONS, token=self.token)
+                    self._stubs[shard] = (leader.addr, ch, meta_pb2_grpc.MetaServiceStub(ch))
+            self._refreshed = time.monotonic()
+
+    async def _stub(self, shard: int, fresh: bool) -> meta_pb2_grpc.MetaServiceStub | None:
+        if fresh or shard not in self._stubs:
+            await self._refresh()
+        cached = self._stubs.get(shard)
+        return cached[2] if cached is not None else None
 
     async def call(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
         """One shard's answer, its leader looked up again (and the call sent again) while the
@@ -199,6 +274,8 @@ class ShardedMeta:
         return split, answers, hit, locations
 
     async def Lookup(self, request: meta_pb2.LookupRequest, timeout: float | None = None) -> meta_pb2.LookupResponse:
+        if not request.with_locations:
+            return await self._coalesced(request, timeout)
         split, answers, hit, locations = await self._chain(
             "Lookup",
             request,
@@ -217,6 +294,30 @@ class ShardedMeta:
         if request.with_locations and locations is not None:
             out.locations.CopyFrom(locations)
         return out
+
+    async def _coalesced(self, request: meta_pb2.LookupRequest, timeout: float | None) -> meta_pb2.LookupResponse:
+        """A lookup through each shard's :class:`_Coalescer`: the per-key answers of the shards,
+        and the leading hit count as their first miss."""
+        n = len(request.keys) // KEY_BYTES
+        split = await self._split(request.keys)
+        shards = list(split)
+        answers = await asyncio.gather(
+            *(self._coalescer(s).exists(self._sub(request.keys, split[s]), timeout) for s in shards)
+        )
+        exists = np.zeros(n, dtype=np.uint8)
+        for s, bits in zip(shards, answers):
+            exists[split[s]] = bits
+        misses = np.flatnonzero(exists == 0)
+        out = meta_pb2.LookupResponse(hit_count=int(misses[0]) if len(misses) else n)
+        if request.per_key:
+            out.exists = exists.tobytes()
+        return out
+
+    def _coalescer(self, shard: int) -> _Coalescer:
+        c = self._lookups.get(shard)
+        if c is None:
+            c = self._lookups[shard] = _Coalescer(self, shard)
+        return c
 
     async def Acquire(self, request: meta_pb2.AcquireRequest, timeout: float | None = None) -> meta_pb2.AcquireResponse:
         split, answers, hit, locations = await self._chain(

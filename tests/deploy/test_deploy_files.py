@@ -122,7 +122,7 @@ def test_config_loads(path: Path):
     assert isinstance(cfg, Config)
     assert not cfg.meta.allow_clock_skew, "allow_clock_skew is for tests only"
     sections = yaml.safe_load(path.read_text())
-    assert set(sections) <= {"meta", "daemon", "client", "log", "tls"}
+    assert set(sections) <= {"meta", "daemon", "client", "log", "tls", "cluster"}
     if cfg.meta.listen and not cfg.meta.listen.startswith(("127.", "localhost", "[::1]")) and "meta" in sections:
         # A cluster listener off loopback: TLS files, or plaintext said out loud.
         assert cfg.tls.enabled or cfg.tls.allow_plaintext, path
@@ -602,3 +602,35 @@ def test_the_secured_cluster_files_load(tmp_path):
     a = Authority(str(auth), str(tmp_path / "secret"))
     assert a.certs["daemon"].role == "daemon" and a.certs["ops"].role == "admin"
     assert a.certs["tenant-a"].role == "tenant"
+
+
+# ---- a sharded cluster --------------------------------------------------------------------------
+
+
+def test_sharded_configs_name_one_cluster():
+    meta = load_config(CONFIGS / "sharded-meta.yaml", env={})
+    daemon = load_config(CONFIGS / "sharded-daemon.yaml", env={})
+    client = load_config(CONFIGS / "sharded-client.yaml", env={})
+    assert meta.cluster.redis and meta.cluster.shards >= 1
+    assert daemon.cluster.redis == meta.cluster.redis and daemon.cluster.name == meta.cluster.name
+    assert client.client.meta == f"{meta.cluster.redis}#{meta.cluster.name}"
+    assert (DEPLOY / "redis" / "sentinel.conf").read_text().count("sentinel monitor kvstore ") == 1
+
+
+def test_k8s_sharded_manifests(tmp_path):
+    docs = [d for p in sorted((K8S / "sharded").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+    cm = _one(docs, "ConfigMap", "kvstore-sharded-config")
+    for name in ("meta.yaml", "daemon.yaml", "client.yaml"):
+        (tmp_path / name).write_text(cm["data"][name])
+    meta = load_config(tmp_path / "meta.yaml", env={})
+    daemon = load_config(tmp_path / "daemon.yaml", env={})
+    assert daemon.cluster.redis == meta.cluster.redis
+    sts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    # A primary and a standby per shard; the shard comes from the pod's ordinal.
+    assert sts["kvstore-meta"]["spec"]["replicas"] == 2 * meta.cluster.shards
+    args = sts["kvstore-meta"]["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert f"% {meta.cluster.shards}" in args and "cluster.advertise=" in args
+    assert sts["kvstore-redis"]["spec"]["replicas"] == 3
+    sentinel = cm["data"]["sentinel.conf"]
+    assert "kvstore-redis-0.kvstore-redis 6379 2" in sentinel
+    assert meta.cluster.redis.endswith("/kvstore") and meta.cluster.redis.count(":26379") == 3
