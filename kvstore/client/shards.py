@@ -30,7 +30,7 @@ import numpy as np
 
 from kvstore import tickets
 from kvstore.cluster.coord import Coordinator
-from kvstore.errors import NotFound, Unavailable, from_rpc_error
+from kvstore.errors import InvalidArgument, NotFound, Timeout, Unavailable, from_rpc_error
 from kvstore.keys import KEY_BYTES
 from kvstore.rpc import GRPC_OPTIONS
 from kvstore.tls import TlsConfig, aio_channel
@@ -40,6 +40,10 @@ from kvstore.wire import ROW_DTYPE, U32, pack, unpack
 log = logging.getLogger("kvstore.client")
 
 _RETRY_S = 0.1
+# Per try of a call that may be sent again (reads): about a leader lease, so that a leader that
+# hangs is left for the next one in time.
+ATTEMPT_S = 2.0
+_IDEMPOTENT = frozenset({"Lookup", "Acquire", "Touch", "Stats", "Release", "Remove"})
 # Multi-shard puts and leases remembered at most this long (their deadlines are shorter).
 _FORGET_S = 900.0
 
@@ -123,34 +127,51 @@ class _Coalescer:
     async def _run(self) -> None:
         try:
             while self.pending:
-                batch, total = [], 0
-                while self.pending and total + len(self.pending[0][0]) // KEY_BYTES <= self.COALESCE_KEYS:
+                batch, room = [], 0
+                while self.pending and room + len(self.pending[0][0]) // KEY_BYTES <= self.COALESCE_KEYS:
                     item = self.pending.pop(0)
-                    total += len(item[0]) // KEY_BYTES
                     if not item[1].done():  # a caller that gave up is not asked for
                         batch.append(item)
-                if not batch:
-                    continue
-                timeout = min((t for _k, _f, t in batch if t), default=None)
-                req = meta_pb2.LookupRequest(keys=b"".join(k for k, _f, _t in batch), per_key=True)
-                try:
-                    resp = await self.meta.call(self.shard, "Lookup", req, timeout)
-                    bits = np.frombuffer(resp.exists, dtype=np.uint8)
-                    if len(bits) != total:
-                        raise Unavailable(f"shard {self.shard} answered {len(bits)} flags for {total} keys")
-                except Exception as e:  # noqa: BLE001 - every caller of the batch gets it
-                    for _k, f, _t in batch:
-                        if not f.done():
-                            f.set_exception(e)
-                    continue
-                at = 0
-                for k, f, _t in batch:
-                    n = len(k) // KEY_BYTES
-                    if not f.done():
-                        f.set_result(bits[at : at + n])
-                    at += n
+                        room += len(item[0]) // KEY_BYTES
+                if batch:
+                    await self._send(batch, room)
         finally:
             self.inflight -= 1
+
+    async def _send(self, batch: list, total: int) -> None:
+        timeout = min((t for _k, _f, t in batch if t), default=None)
+        req = meta_pb2.LookupRequest(keys=b"".join(k for k, _f, _t in batch), per_key=True)
+        try:
+            resp = await self.meta.call(self.shard, "Lookup", req, timeout)
+            bits = np.frombuffer(resp.exists, dtype=np.uint8)
+            if len(bits) != total:
+                raise Unavailable(f"shard {self.shard} answered {len(bits)} flags for {total} keys")
+        except InvalidArgument as e:
+            if len(batch) == 1:
+                raise_into(batch, e)
+                return
+            for item in batch:  # refused together (e.g. over meta.max_batch_keys): each alone
+                await self._send([item], len(item[0]) // KEY_BYTES)
+            return
+        except BaseException as e:  # every caller of the batch gets it, and none waits forever
+            raise_into(batch, e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        at = 0
+        for k, f, _t in batch:
+            n = len(k) // KEY_BYTES
+            if not f.done():
+                f.set_result(bits[at : at + n])
+            at += n
+
+
+def raise_into(batch: list, e: BaseException) -> None:
+    if isinstance(e, asyncio.CancelledError):
+        e = Unavailable("lookup cancelled with the client")
+    for _k, f, _t in batch:
+        if not f.done():
+            f.set_exception(e)
 
 
 def _leading(positions: np.ndarray, hit: int, n: int) -> int:
@@ -174,6 +195,7 @@ class ShardedMeta:
         self._leases: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
         self._lookups: dict[int, _Coalescer] = {}
         self._redis_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
         self._refreshed = 0.0
 
     # ---- routing ------------------------------------------------------------------------------
@@ -200,8 +222,8 @@ class ShardedMeta:
                 if leader is None:
                     continue
                 if cached is None or cached[0] != leader.addr:
-                    if cached is not None:
-                        asyncio.ensure_future(cached[1].close())
+                    if cached is not None:  # calls still on it may finish
+                        self._later(cached[1].close(grace=self.timeout_s))
                     ch = aio_channel(leader.addr, self.tls, GRPC_OPTIONS, token=self.token)
                     self._stubs[shard] = (leader.addr, ch, meta_pb2_grpc.MetaServiceStub(ch))
             self._refreshed = time.monotonic()
@@ -214,29 +236,65 @@ class ShardedMeta:
 
     async def call(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
         """One shard's answer, its leader looked up again (and the call sent again) while the
-        shard is unavailable, until ``timeout``. Errors are kvstore.errors classes."""
+        shard is unavailable, until ``timeout``. A call that may be sent twice (a read) gets at
+        most ``ATTEMPT_S`` per try, so that a leader that hangs (paused, cut off) costs a retry
+        at the next leader, not the whole deadline. Errors are kvstore.errors classes."""
         deadline = time.monotonic() + (timeout or self.timeout_s)
         fresh = False
+        again = method in _IDEMPOTENT
         while True:
             stub = await self._stub(shard, fresh)
             left = deadline - time.monotonic()
             why = f"shard {shard} has no leader"
             if stub is not None and left > 0:
                 try:
-                    return await getattr(stub, method)(request, timeout=left)
+                    return await getattr(stub, method)(request, timeout=min(left, ATTEMPT_S) if again else left)
                 except grpc.aio.AioRpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    code = e.code()
+                    retry = code == grpc.StatusCode.UNAVAILABLE or (
+                        again and code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline - time.monotonic() > _RETRY_S
+                    )
+                    if not retry:
                         raise from_rpc_error(e) from None
-                    why = e.details() or "unavailable"
+                    why = e.details() or code.name
+                except asyncio.CancelledError:
+                    # The call's channel was closed under it (its shard has a new leader), not
+                    # this task cancelled: try again at the new one.
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise
+                    why = "the shard's leader changed during the call"
             if time.monotonic() + _RETRY_S >= deadline:
                 raise Unavailable(f"{method}: metadata shard {shard}: {why}")
             fresh = True
             await asyncio.sleep(_RETRY_S)
 
+    async def _gather(self, method: str, reqs: list[tuple[int, Any]], timeout: float | None) -> list[Any]:
+        """Each shard's answer or its error (every call runs to its end: one shard's error
+        must not lose what the others did)."""
+        return list(await asyncio.gather(*(self.call(s, method, r, timeout) for s, r in reqs), return_exceptions=True))
+
     async def _fan(self, method: str, requests: dict[int, Any], timeout: float | None) -> dict[int, Any]:
+        """Each shard's answer; the first error once all have ended (for calls whose partial
+        effects need no undoing)."""
         shards = list(requests)
-        answers = await asyncio.gather(*(self.call(s, method, requests[s], timeout) for s in shards))
+        answers = await self._gather(method, [(s, requests[s]) for s in shards], timeout)
+        for a in answers:
+            if isinstance(a, BaseException):
+                raise a
         return dict(zip(shards, answers))
+
+    def _later(self, coro: Any) -> None:
+        """Runs ``coro`` in the background (kept until it ends; ``close`` waits for it)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _release_later(self, leases: list[tuple[int, int]]) -> None:
+        if leases:
+            self._later(
+                self._gather("Release", [(s, meta_pb2.ReleaseRequest(lease_id=lid)) for s, lid in leases], None)
+            )
 
     async def _split(self, packed: bytes) -> dict[int, np.ndarray]:
         return (await self._map()).split(packed)
@@ -261,11 +319,17 @@ class ShardedMeta:
 
     async def _chain(self, method: str, request: Any, make: Any, timeout: float | None, located: bool = True) -> tuple:
         """Sends ``make(keys)`` for each shard's part of ``request.keys``; returns (the split, the
-        answers, the merged leading hit count, the merged locations of the hits or None)."""
+        answers, the merged leading hit count, the merged locations of the hits or None). If a
+        shard fails, the leases the others took are given back before its error is raised."""
         n = len(request.keys) // KEY_BYTES
         split = await self._split(request.keys)
-        reqs = {s: make(self._sub(request.keys, pos)) for s, pos in split.items()}
-        answers = await self._fan(method, reqs, timeout) if reqs else {}
+        shards = list(split)
+        res = await self._gather(method, [(s, make(self._sub(request.keys, split[s]))) for s in shards], timeout)
+        answers = {s: a for s, a in zip(shards, res) if not isinstance(a, BaseException)}
+        errors = [a for a in res if isinstance(a, BaseException)]
+        if errors:
+            self._release_later([(s, a.lease_id) for s, a in answers.items() if getattr(a, "lease_id", 0)])
+            raise errors[0]
         hit = min((_leading(split[s], a.hit_count, n) for s, a in answers.items()), default=0)
         locations = None
         if hit and located:
@@ -326,7 +390,14 @@ class ShardedMeta:
             lambda keys: meta_pb2.AcquireRequest(keys=keys, ttl_ms=request.ttl_ms, host_id=request.host_id),
             timeout,
         )
-        leases = [(s, a.lease_id, split[s][: a.hit_count]) for s, a in answers.items() if a.lease_id]
+        leases, idle = [], []
+        for s, a in answers.items():
+            rows = split[s][: a.hit_count]
+            if a.lease_id:
+                # A shard whose hits all lie past the chain's first miss holds nothing the
+                # reader will copy: its lease goes back now (the reader releases only ours).
+                (leases if len(rows) and rows[0] < hit else idle).append((s, a.lease_id, rows))
+        self._release_later([(s, lid) for s, lid, _rows in idle])
         out = meta_pb2.AcquireResponse(hit_count=hit, ttl_ms=min((a.ttl_ms for a in answers.values()), default=0))
         if leases:
             out.lease_id = self._remember(self._leases, leases)
@@ -343,8 +414,8 @@ class ShardedMeta:
         for s, lease_id, rows in entry[1]:
             local = [j for j, g in enumerate(rows) if int(g) in corrupt]
             reqs[s] = meta_pb2.ReleaseRequest(lease_id=lease_id, corrupt=pack(local, U32))
-        answers = await self._fan_each("Release", [(s, r) for s, r in reqs.items()], timeout)
-        return meta_pb2.ReleaseResponse(released=all(a.released for a in answers if a is not None))
+        answers = await self._gather("Release", list(reqs.items()), timeout)
+        return meta_pb2.ReleaseResponse(released=all(not isinstance(a, BaseException) and a.released for a in answers))
 
     async def Touch(self, request: meta_pb2.TouchRequest, timeout: float | None = None) -> meta_pb2.TouchResponse:
         per: dict[int, list[bytes]] = {}
@@ -373,11 +444,23 @@ class ShardedMeta:
             )
             for s, pos in split.items()
         }
-        answers = await self._fan_each("PutStart", list(reqs.items()), timeout)
+        answers = await self._gather("PutStart", list(reqs.items()), timeout)
+        hard = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, (Unavailable, Timeout))]
+        if hard:  # refused (bad input, no quota...): the other shards' reservations go back
+            self._later(
+                self._gather(
+                    "PutAbort",
+                    [(s, meta_pb2.PutAbortRequest(put_id=a.put_id)) for (s, _r), a in zip(reqs.items(), answers)
+                     if not isinstance(a, BaseException) and a.put_id],
+                    None,
+                )
+            )  # fmt: skip
+            raise hard[0]
         status = np.full(n, 3, dtype=np.uint8)  # a shard that could not be reached: no space there
         puts, started = [], []
         for (s, _r), a in zip(reqs.items(), answers):
-            if a is None:
+            if isinstance(a, BaseException):
+                log.info("event=shard_call_failed shard=%d method=PutStart reason=%r", s, str(a))
                 continue
             local = np.frombuffer(a.status, dtype=np.uint8)
             status[split[s]] = local
@@ -405,31 +488,21 @@ class ShardedMeta:
             raise Unavailable("put: no metadata shard of its keys could be reached")
         return out
 
-    async def _fan_each(self, method: str, reqs: list[tuple[int, Any]], timeout: float | None) -> list[Any]:
-        """Each shard's answer, or None where that shard failed with a retryable error (the
-        others' answers stand: a put or release on them must not be lost with it)."""
-
-        async def one(s: int, r: Any) -> Any:
-            try:
-                return await self.call(s, method, r, timeout)
-            except (Unavailable, NotFound) as e:
-                log.info("event=shard_call_failed shard=%d method=%s reason=%r", s, method, str(e))
-                return None
-
-        return list(await asyncio.gather(*(one(s, r) for s, r in reqs)))
-
     async def PutCommit(
         self, request: meta_pb2.PutCommitRequest, timeout: float | None = None
     ) -> meta_pb2.PutCommitResponse:
-        entry = self._puts.pop(request.put_id, None)
+        entry = self._puts.get(request.put_id)
         if entry is None:
             raise NotFound(f"put {request.put_id} is unknown (already ended)")
         parts = entry[1]
         total = sum(len(rows) for _s, _p, rows in parts)
-        sums = np.frombuffer(request.checksums, dtype="<u8")
+        sums = np.frombuffer(request.checksums, dtype="<u8") if len(request.checksums) % 8 == 0 else ()
         written = np.frombuffer(request.written, dtype=np.uint8)
         if len(sums) != total or len(written) != total:
-            raise Unavailable(f"put {request.put_id}: {len(sums)} checksums for {total} placements")
+            raise InvalidArgument(
+                f"put {request.put_id}: {len(sums)} checksums and {len(written)} written flags for {total} placements"
+            )
+        del self._puts[request.put_id]
         reqs = [
             (
                 s,
@@ -439,11 +512,16 @@ class ShardedMeta:
             )
             for s, put_id, rows in parts
         ]
-        answers = await self._fan_each("PutCommit", reqs, timeout)
-        status = np.full(total, common_pb2.COMMIT_UNAVAILABLE, dtype=np.uint8)
+        answers = await self._gather("PutCommit", reqs, timeout)
+        # A shard that failed the commit (it lost the put to a new leader, or did not answer)
+        # stored none of its blocks that the writer can count on: NOT_WRITTEN, so that the writer
+        # puts them again (a block that did commit is then skipped as stored) without holding it
+        # against their daemon.
+        status = np.full(total, common_pb2.COMMIT_NOT_WRITTEN, dtype=np.uint8)
         committed = 0
-        for (_s, _p, rows), a in zip(parts, answers):
-            if a is None:  # that shard lost the put (a new leader): those blocks were not stored
+        for (s, _p, rows), a in zip(parts, answers):
+            if isinstance(a, BaseException):
+                log.info("event=shard_call_failed shard=%d method=PutCommit reason=%r", s, str(a))
                 continue
             committed += a.committed
             status[rows] = np.frombuffer(a.status, dtype=np.uint8) if a.status else common_pb2.COMMIT_OK
@@ -455,10 +533,10 @@ class ShardedMeta:
         entry = self._puts.pop(request.put_id, None)
         if entry is None:
             return meta_pb2.PutAbortResponse()
-        answers = await self._fan_each(
+        answers = await self._gather(
             "PutAbort", [(s, meta_pb2.PutAbortRequest(put_id=p)) for s, p, _rows in entry[1]], timeout
         )
-        return meta_pb2.PutAbortResponse(released=sum(a.released for a in answers if a is not None))
+        return meta_pb2.PutAbortResponse(released=sum(a.released for a in answers if not isinstance(a, BaseException)))
 
     # ---- management ---------------------------------------------------------------------------
 
@@ -485,8 +563,8 @@ class ShardedMeta:
     async def shard_stats(self, timeout: float | None = None) -> dict[int, meta_pb2.StatsResponse | None]:
         smap = await self._map()
         reqs = [(s, meta_pb2.StatsRequest()) for s in range(smap.shards)]
-        answers = await self._fan_each("Stats", reqs, timeout)
-        return dict(zip(range(smap.shards), answers))
+        answers = await self._gather("Stats", reqs, timeout)
+        return {s: None if isinstance(a, BaseException) else a for s, a in zip(range(smap.shards), answers)}
 
     async def Stats(self, request: meta_pb2.StatsRequest, timeout: float | None = None) -> meta_pb2.StatsResponse:
         """The shards' stats added up: a daemon once, a segment's arenas as one segment."""
@@ -546,6 +624,8 @@ class ShardedMeta:
         return answers[0]
 
     async def close(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         for _addr, ch, _stub in self._stubs.values():
             await ch.close()
         self._stubs.clear()

@@ -64,9 +64,12 @@ class Leader:
     def parse(cls, raw: bytes | str | None) -> Leader | None:
         if raw is None:
             return None
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        node, addr, epoch = text.rsplit("|", 2)
-        return cls(node, addr, int(epoch))
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        try:
+            node, addr, epoch = text.rsplit("|", 2)
+            return cls(node, addr, int(epoch))
+        except ValueError:
+            raise Unavailable(f"a shard's leader record in Redis is malformed: {text!r}") from None
 
 
 def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str, int]:
@@ -96,7 +99,12 @@ class Coordinator:
     """The cluster's state in Redis, for shard processes, daemons, clients and ``kvstore stat``."""
 
     def __init__(self, url: str, cluster: str = "kvstore", timeout_s: float = 1.0) -> None:
-        import redis.asyncio as aioredis  # the cluster's one dependency; not needed without one
+        try:
+            import redis.asyncio as aioredis  # the cluster's one dependency; not needed without one
+        except ImportError:
+            raise InvalidArgument(
+                f"a sharded cluster ({url}) needs the redis package: pip install 'kvstore[cluster]'"
+            ) from None
 
         self.url = url
         self.prefix = cluster
@@ -177,7 +185,10 @@ class Coordinator:
         await self._do("announce a member", self.r.set(self._k("member", node), json.dumps(info), px=int(ttl_s * 1000)))
 
     async def members(self) -> list[dict]:
-        keys = [k async for k in self.r.scan_iter(match=self._k("member", "*"), count=500)]
+        async def scan() -> list:
+            return [k async for k in self.r.scan_iter(match=self._k("member", "*"), count=500)]
+
+        keys = await self._do("list the members", scan())
         if not keys:
             return []
         out = []

@@ -123,7 +123,11 @@ class Testbed:
 
     def __enter__(self) -> Testbed:
         if self.hosts is not None:
-            self.hosts.up()
+            try:
+                self.hosts.up()
+            except BaseException:
+                self.hosts.down()  # what was made before the failure
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -117,6 +117,11 @@ class MetaLink:
                 leader = None
             if leader is None:
                 return self.stub is not None
+            if leader.epoch != self.epoch and not self.need_register:
+                # Another leader now: from here on the shard's control calls are refused (the
+                # old leader's included) until we have registered with the new one, so that no
+                # block is committed after the inventory we bring it was taken.
+                self._forgotten(f"leader epoch {leader.epoch} in Redis, registered with {self.epoch}")
             if leader.addr != self.addr or self.stub is None:
                 await self.close()
                 self.addr = leader.addr
@@ -137,7 +142,11 @@ class MetaLink:
         resp = await self.stub.RegisterDaemon(
             meta_pb2.RegisterDaemonRequest(daemon=d.info(), inventory=invs, ticket_key=key), timeout=30
         )
-        if resp.shards != self.shards or resp.shard != self.shard:
+        if (resp.shards or 1) != self.shards or resp.shard != self.shard:  # 0: a service of before shards
+            log.warning(
+                "event=wrong_shard daemon=%s addr=%s answered_shard=%d of=%d want_shard=%d of=%d",
+                d.daemon_id, self.addr, resp.shard, resp.shards, self.shard, self.shards,
+            )  # fmt: skip
             raise Unavailable(
                 f"the service at {self.addr} is shard {resp.shard} of {resp.shards}, this link is for shard "
                 f"{self.shard} of {self.shards}"

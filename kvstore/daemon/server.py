@@ -290,7 +290,9 @@ class CacheDaemon:
         link = self.links[shard] if 0 <= shard < len(self.links) else None
         if link is None:
             raise InvalidArgument(f"shard {shard}: this daemon knows shards 0..{len(self.links) - 1}")
-        if epoch != link.epoch:
+        # In a cluster, also while the shard has a new leader we have not registered with yet:
+        # the inventory we bring it must not miss a block committed meanwhile.
+        if epoch != link.epoch or (link.coord is not None and link.need_register):
             self.counters["stale_epoch_refused"] += 1
             raise Expired(
                 f"shard {shard}: epoch {epoch} is not the leader this daemon registered with (epoch {link.epoch})"
@@ -311,8 +313,6 @@ class CacheDaemon:
             # Known to every shard, and what they refused of our inventory invalidated (that
             # came with the heartbeats): reads without a lease may come.
             self.dram.serve()
-        if self.registered_everywhere:
-            self.registered.set()
         serving = all(link.ok for link in self.links)
         if serving != self.health.serving:
             log.log(
@@ -320,6 +320,8 @@ class CacheDaemon:
                 "event=health daemon=%s status=%s", self.daemon_id, "SERVING" if serving else "NOT_SERVING",
             )  # fmt: skip
             await self.health.set_serving(serving)
+        if self.registered_everywhere:
+            self.registered.set()  # after health: ready before anyone waiting on `registered` looks
 
     async def drain(self) -> None:
         """Leaves the pool on purpose (SIGTERM): health NOT_SERVING, no more puts (the service

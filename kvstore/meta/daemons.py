@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -85,6 +85,9 @@ class DaemonLink:
         # leader older than the one it registered with (kvstore.cluster).
         self.shard = index.limits.shard
         self.epoch = epoch
+        # Asked before every call to a daemon (kvstore.meta.service.MetaServer's gate): a shard
+        # whose lease ran out calls no daemon (the daemon would refuse its epoch anyway).
+        self.gate: Callable[[], str] | None = None
         self.index = index
         self.rpc_timeout_s = rpc_timeout_s
         self.move_timeout_s = move_timeout_s
@@ -103,7 +106,7 @@ class DaemonLink:
 
     def _stub(self, daemon_id: str) -> daemon_pb2_grpc.DaemonControlStub | _LocalDaemon | None:
         d = self.index.daemons.get(daemon_id)
-        if d is None:
+        if d is None or (self.gate is not None and self.gate()):
             return None
         local = self._local.get(daemon_id)
         if local is not None:

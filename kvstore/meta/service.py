@@ -97,6 +97,7 @@ class MetaServer:
         )
         self.index = Index(limits, clock or Clock())
         self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s, tls=tls, epoch=self.epoch)
+        self.link.gate = gate
         self.registry = registry or CollectorRegistry()
         self.registry.register(MetaCollector(self.index))
         self.metrics = MetricsHttp(self.registry)

@@ -28,7 +28,7 @@ BLOCK = 8192
 def tb(tmp_path_factory):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    with Testbed(tmp_path_factory.mktemp("cluster")) as t:
+    with Testbed(tmp_path_factory.mktemp("cluster"), sets=("meta.max_block_bytes=1MiB",)) as t:
         t.start_redis()
         t.start_shards(2)
         t.start_daemon(0, name="da")
@@ -164,3 +164,31 @@ def test_concurrent_lookups_share_shard_calls_and_each_gets_its_own_answer(tb):
     got, flags = asyncio.run(go())
     assert got == [j for _, j in probes * 4]
     assert flags == [[True] * j + [False] * 3 for _, j in probes]
+
+
+def test_leases_and_reservations_on_other_shards_are_given_back(tb):
+    rng = np.random.default_rng(3)
+    smap = SlotMap.even(2)
+    keys, bufs = _chains(rng, 1, length=8)[0]
+    with SyncKVStoreClient(config=tb.client_config(location_cache=0)) as c:
+        assert c.put(keys, bufs).stored == 8
+        # The chain's head is missing: no block leads, so no shard may keep a lease.
+        head = next(k for k in (rng.bytes(16) for _ in range(100)) if smap.shard_of(k) != smap.shard_of(keys[0]))
+        out = [np.zeros(BLOCK, dtype=np.uint8) for _ in range(9)]
+        assert c.get_into([head, *keys], out) == 0
+        # One block over meta.max_block_bytes: its shard refuses the put, the other shard's
+        # reservations go back.
+        big = [rng.bytes(16) for _ in range(6)]
+        assert {smap.shard_of(k) for k in big} == {0, 1}
+        from kvstore.errors import InvalidArgument
+
+        with pytest.raises(InvalidArgument):
+            c.put(big, [np.zeros(BLOCK, np.uint8)] * 5 + [np.zeros(2 << 20, np.uint8)])
+        deadline = time.monotonic() + 10
+        while True:
+            st = c.stats()
+            if st.active_leases == 0 and st.pending_puts == 0:
+                break
+            assert time.monotonic() < deadline, (st.active_leases, st.pending_puts)
+            time.sleep(0.05)
+        assert c.exists(big) == [False] * 6

@@ -117,3 +117,54 @@ def test_merge_takes_only_the_rows_before_the_merged_hit_count():
     merged = merge_locations([(a, [0]), (b, [1])], 2, os.urandom(32))
     places = locations_from_pb(merged, 2)
     assert [(p.daemon.daemon_id, p.checksum) for p in places] == [("A", 10), ("B", 20)]
+
+
+async def test_a_caller_that_gives_up_does_not_fail_the_others_in_its_batch():
+    import asyncio
+
+    from kvstore.client.shards import _Coalescer
+    from kvstore.v1 import meta_pb2
+
+    hold = asyncio.Event()
+    sent: list[int] = []
+
+    class FakeMeta:
+        async def call(self, shard, method, request, timeout=None):  # noqa: ANN001, ANN202
+            n = len(request.keys) // 16
+            sent.append(n)
+            await hold.wait()
+            # every key whose first byte is odd is stored
+            return meta_pb2.LookupResponse(
+                exists=bytes(k[0] & 1 for k in (request.keys[i : i + 16] for i in range(0, len(request.keys), 16)))
+            )
+
+    c = _Coalescer(FakeMeta(), 0)
+    k_odd, k_even = b"\x01" * 16, b"\x02" * 16
+    first = [asyncio.ensure_future(c.exists(k_odd, 5)) for _ in range(2)]  # two calls in flight
+    await asyncio.sleep(0)
+    queued = [asyncio.ensure_future(c.exists(k, 5)) for k in (k_even, k_odd + k_even, k_odd)]
+    await asyncio.sleep(0)
+    queued[0].cancel()  # gives up while waiting
+    hold.set()
+    assert [list(f) for f in await asyncio.gather(*first)] == [[1], [1]]
+    assert list(await queued[1]) == [1, 0] and list(await queued[2]) == [1]
+    # Calls shared between callers (fewer calls than callers), and without the one that gave up.
+    assert sum(sent) == 2 + 3 and len(sent) < 4
+
+
+async def test_a_failed_shared_call_fails_each_caller_once_and_none_waits():
+    import asyncio
+
+    from kvstore.client.shards import _Coalescer
+    from kvstore.errors import Unavailable
+
+    class Down:
+        async def call(self, shard, method, request, timeout=None):  # noqa: ANN001, ANN202
+            await asyncio.sleep(0.01)
+            raise Unavailable("shard 0 has no leader")
+
+    c = _Coalescer(Down(), 0)
+    res = await asyncio.wait_for(
+        asyncio.gather(*(c.exists(b"\x01" * 16, 1) for _ in range(5)), return_exceptions=True), 5
+    )
+    assert all(isinstance(r, Unavailable) for r in res)
