@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(set=[], config=None, log_level=None, log_format=None)
 
     p = sub.add_parser("bench", help="the benchmark suite: JSON in bench/results, bench/RESULTS.md, PNG plots")
-    p.add_argument("suite", choices=sorted(BENCH_SUITES), help="policy, store, engine, gpu, soak or all")
+    p.add_argument("suite", choices=sorted(BENCH_SUITES), help="policy, store, engine, gpu, soak, cluster or all")
     p.add_argument("--quick", action="store_true", help="a small size (each benchmark about a minute on 2 cores)")
     p.add_argument("--log-level", help=argparse.SUPPRESS)
     p.set_defaults(set=[], config=None)
@@ -130,6 +130,7 @@ BENCH_SUITES = {
     "engine": ["engine_reuse.py", "engine_integrations.py"],
     "gpu": ["gpu_copy.py"],
     "soak": ["soak.py"],
+    "cluster": ["cluster.py"],
     "all": [
         "policy.py",
         "store_throughput.py",
@@ -139,6 +140,7 @@ BENCH_SUITES = {
         "engine_reuse.py",
         "engine_integrations.py",
         "soak.py",
+        "cluster.py",
     ],  # fmt: skip
 }
 
