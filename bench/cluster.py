@@ -216,9 +216,18 @@ def plot(r: dict, path: Path) -> None:
     shards = [int(s) for s in r["points"]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for name in ("1key", "1000key"):
-        axes[0].plot(shards, [r["points"][str(s)][name]["shard_cpu_us_per_key"] for s in shards], "o-", label=name)
+        base = r["points"][str(shards[0])][name]["shard_cpu_us_per_key"]
+        axes[0].plot(
+            shards, [r["points"][str(s)][name]["shard_cpu_us_per_key"] / base for s in shards], "o-", label=name
+        )
         axes[1].plot(shards, [r["points"][str(s)][name]["keys_per_s"] for s in shards], "o-", label=name)
-    axes[0].set(xlabel="shards", ylabel="shard CPU µs per key", title="metadata CPU per key looked up", xticks=shards)
+    axes[0].axhline(1.2, color="grey", ls="--", lw=1, label="target (1000-key)")
+    axes[0].set(
+        xlabel="shards",
+        ylabel="shard CPU per key / with 1 shard",
+        title="metadata CPU per key looked up",
+        xticks=shards,
+    )
     axes[1].set(
         xlabel="shards", ylabel="keys/s (wall clock, 2 cores)", title="lookup throughput", xticks=shards, yscale="log"
     )
@@ -236,7 +245,15 @@ def main() -> int:
     ap.add_argument("--inflight", type=int, default=8)
     ap.add_argument("--skip-faults", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--report-only", action="store_true", help="redraw the plot and section from --out's JSON")
     ns = ap.parse_args()
+    if ns.report_only:
+        from bench.report import update_section
+
+        result = json.loads(ns.out.read_text())
+        plot(result, ns.out.with_suffix(".png"))
+        update_section("cluster", render(result))
+        return 0
     from tqdm import tqdm
 
     from bench.report import machine, update_section
