@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 
 from kvstore import tickets
+from kvstore.client.streams import LookupStream
 from kvstore.cluster.coord import Coordinator
 from kvstore.errors import InvalidArgument, NotFound, Timeout, Unavailable, from_rpc_error
 from kvstore.keys import KEY_BYTES
@@ -142,7 +143,7 @@ class _Coalescer:
         timeout = min((t for _k, _f, t in batch if t), default=None)
         req = meta_pb2.LookupRequest(keys=b"".join(k for k, _f, _t in batch), per_key=True)
         try:
-            resp = await self.meta.call(self.shard, "Lookup", req, timeout)
+            resp = await self.meta.lookup_on_stream(self.shard, req, timeout)
             bits = np.frombuffer(resp.exists, dtype=np.uint8)
             if len(bits) != total:
                 raise Unavailable(f"shard {self.shard} answered {len(bits)} flags for {total} keys")
@@ -194,6 +195,7 @@ class ShardedMeta:
         self._puts: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
         self._leases: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
         self._lookups: dict[int, _Coalescer] = {}
+        self._streams: dict[int, tuple[Any, LookupStream]] = {}
         self._redis_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._refreshed = 0.0
@@ -376,6 +378,26 @@ class ShardedMeta:
         if request.per_key:
             out.exists = exists.tobytes()
         return out
+
+    async def lookup_on_stream(
+        self, shard: int, request: meta_pb2.LookupRequest, timeout: float | None
+    ) -> meta_pb2.LookupResponse:
+        """A lookup on the shard leader's lookup stream (kvstore.client.streams: a stream pays a
+        call's set-up once, a unary call every time), or a unary call (with the failover
+        retries of :meth:`call`) when the stream cannot answer within ``ATTEMPT_S``."""
+        stub = await self._stub(shard, False)
+        if stub is None:
+            return await self.call(shard, "Lookup", request, timeout)
+        cur = self._streams.get(shard)
+        if cur is None or cur[0] is not stub:
+            if cur is not None:  # the shard has a new leader: its waiting callers are asked again
+                self._later(cur[1].close())
+            unary = lambda r: self.call(shard, "Lookup", r, None)  # noqa: E731
+            cur = self._streams[shard] = (stub, LookupStream(stub, unary, ATTEMPT_S))
+        try:
+            return await cur[1].ask(request)
+        except Unavailable:  # no answer in time (a hung leader), or the client closing
+            return await self.call(shard, "Lookup", request, timeout)
 
     def _coalescer(self, shard: int) -> _Coalescer:
         c = self._lookups.get(shard)
@@ -624,6 +646,8 @@ class ShardedMeta:
         return answers[0]
 
     async def close(self) -> None:
+        for _stub, stream in self._streams.values():
+            await stream.close()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for _addr, ch, _stub in self._stubs.values():

@@ -129,7 +129,7 @@ async def test_a_caller_that_gives_up_does_not_fail_the_others_in_its_batch():
     sent: list[int] = []
 
     class FakeMeta:
-        async def call(self, shard, method, request, timeout=None):  # noqa: ANN001, ANN202
+        async def lookup_on_stream(self, shard, request, timeout=None):  # noqa: ANN001, ANN202
             n = len(request.keys) // 16
             sent.append(n)
             await hold.wait()
@@ -159,7 +159,7 @@ async def test_a_failed_shared_call_fails_each_caller_once_and_none_waits():
     from kvstore.errors import Unavailable
 
     class Down:
-        async def call(self, shard, method, request, timeout=None):  # noqa: ANN001, ANN202
+        async def lookup_on_stream(self, shard, request, timeout=None):  # noqa: ANN001, ANN202
             await asyncio.sleep(0.01)
             raise Unavailable("shard 0 has no leader")
 
