@@ -9,7 +9,7 @@ putting and reading blocks whose every byte is checked, through these faults in 
 5. a stale leader: a shard's leader paused (SIGSTOP) past its lease, a standby takes over, the
    old one resumed: a put it had handed out cannot be written or committed, and a control call
    with its epoch is refused by the daemon;
-6. restart everything one by one (shards, daemons).
+6. restart everything one by one (Redis replicas and Sentinels, shards, daemons).
 
 Figures (:func:`run`): wrong bytes returned (must be 0), committed blocks lost per fault (after
 the fault is over: 0 wherever a replica survived), seconds until lookups are served again after
@@ -289,7 +289,9 @@ def run(tmp: Path, chains: int = 60, log=print) -> dict:  # noqa: ANN001
             figures["stale_leader"] = _stale_leader(tb, chk, 1)
             fault("stale_leader")
 
-            # 6. restart everything one by one
+            # 6. restart everything one by one: Redis (the servers that are not the primary now,
+            # which fault 4 already killed once) and the Sentinels, shards, daemons
+            figures["restarted_redis_and_sentinels"] = tb.restart_redis_replicas()
             for (k, r), child in list(tb.shards.items()):
                 child.stop(10)
                 tb.start_shard(k, r, tb.shard_hosts[(k, r)])

@@ -110,6 +110,8 @@ class Testbed:
         self.sets = (*FAST, *(("tls.allow_plaintext=true",) if hosts else ()), *sets)
         self.redis: list[Child] = []  # primary, replica
         self.sentinels: list[Child] = []
+        self._redis_at: list[tuple[int, int]] = []  # (host, port) of each Redis server
+        self._sentinel_at: list[tuple[int, int, Path]] = []
         self.redis_url = ""
         self.shards: dict[tuple[int, int], Child] = {}  # (shard, replica no.) -> process
         self.shard_hosts: dict[tuple[int, int], int] = {}
@@ -157,11 +159,15 @@ class Testbed:
         """Redis on host 0 (and with ``sentinel`` a replica on host 1 and a Sentinel on each of
         the first three hosts, quorum 2). Returns ``cluster.redis``."""
         port = self._port(0)
+        self._redis_at = [(0, port)]
         self.redis.append(self._redis_server(0, port))
         if not sentinel:
             self.redis_url = f"redis://{self.addr(0)}:{port}"
             return self.redis_url
-        self.redis.append(self._redis_server(1 if self.hosts else 0, self._port(1), replica_of=(self.addr(0), port)))
+        rhost = 1 if self.hosts else 0
+        rport = self._port(rhost)
+        self._redis_at.append((rhost, rport))
+        self.redis.append(self._redis_server(rhost, rport, replica_of=(self.addr(0), port)))
         sent = []
         for i in range(3):
             host = i if self.hosts is not None and self.hosts.n > i else 0
@@ -174,15 +180,51 @@ class Testbed:
                 "sentinel failover-timeout kvs 4000\n"
                 "sentinel parallel-syncs kvs 1\n"
             )
-            cmd = [*self._prefix(host), "redis-server", str(conf), "--sentinel"]
-            self.sentinels.append(
-                start_listening(
-                    cmd, sport, f"sentinel-{i}", timeout=15, host=self.addr(host), stdout=self._log(f"sentinel-{i}")
-                )
-            )
+            self._sentinel_at.append((host, sport, conf))
+            self.sentinels.append(self._sentinel(i))
             sent.append(f"{self.addr(host)}:{sport}")
         self.redis_url = f"sentinel://{','.join(sent)}/kvs"
         return self.redis_url
+
+    def _sentinel(self, i: int) -> Child:
+        host, port, conf = self._sentinel_at[i]
+        cmd = [*self._prefix(host), "redis-server", str(conf), "--sentinel"]
+        return start_listening(
+            cmd, port, f"sentinel-{i}", timeout=15, host=self.addr(host), stdout=self._log(f"sentinel-{i}")
+        )
+
+    def redis_primary(self) -> tuple[str, int]:
+        """The Redis primary as the Sentinels name it now."""
+        import redis
+
+        for host, port, _conf in self._sentinel_at:
+            try:
+                addr = redis.Redis(host=self.addr(host), port=port, socket_timeout=1).sentinel_get_master_addr_by_name(
+                    "kvs"
+                )
+            except redis.RedisError:
+                continue
+            if addr:
+                host = addr[0].decode() if isinstance(addr[0], bytes) else addr[0]
+                return host, int(addr[1])
+        raise RuntimeError("no Sentinel names a Redis primary")
+
+    def restart_redis_replicas(self) -> int:
+        """Restarts, one by one, every Redis server that is not the primary now (as a replica of
+        it), then every Sentinel (each with the file it rewrote). Returns how many were restarted."""
+        primary = self.redis_primary()
+        n = 0
+        for i, (host, port) in enumerate(self._redis_at):
+            if (self.addr(host), port) == primary:
+                continue
+            self.redis[i].stop(5)
+            self.redis[i] = self._redis_server(host, port, replica_of=primary)
+            n += 1
+        for i in range(len(self.sentinels)):
+            self.sentinels[i].stop(5)
+            self.sentinels[i] = self._sentinel(i)
+            n += 1
+        return n
 
     def _redis_server(self, host: int, port: int, replica_of: tuple[str, int] | None = None) -> Child:
         cmd = [*self._prefix(host), "redis-server", "--port", str(port), "--bind", self.addr(host),

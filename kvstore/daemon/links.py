@@ -205,6 +205,8 @@ class MetaLink:
                         continue
                     self.heartbeated = True
                 self.last_contact = loop.time()
+                if self.coord is not None and self.shard == 0:
+                    await self._announce(interval)
                 self.failures = 0
             except (grpc.aio.AioRpcError, Unavailable) as e:
                 # A restarted service answers "unknown" to the next heartbeat; until then, wait.
@@ -217,6 +219,15 @@ class MetaLink:
                 log.exception("event=heartbeat_loop_error daemon=%s consecutive=%d", d.daemon_id, self.failures)
             await d.links_changed()
             await asyncio.sleep(RETRY_S if (self.need_register or not self.ok) and self.coord is not None else interval)
+
+    async def _announce(self, interval: float) -> None:
+        """Membership in Redis (for ``kvstore stat``), refreshed with the first shard's heartbeats."""
+        d = self.d
+        info = {"role": "daemon", "kind": "daemon", "addr": d.info().data_addr, "host": d.host_id}
+        try:
+            await self.coord.announce(d.daemon_id, info, max(3 * interval, 2.0))
+        except Unavailable:
+            pass
 
     def _heartbeat_timeout(self) -> float:
         """5 s for one service; in a cluster half a daemon lease, so that a leader that hangs

@@ -76,6 +76,10 @@ def test_blocks_spread_over_shards_and_read_back(tb):
         assert [s["shard"] for s in state["shards"]] == [0, 1]
         assert all(s["epoch"] > 0 and s["daemons"] == 2 for s in state["shards"])
         assert sum(s["keys"] for s in state["shards"]) == st.keys
+        # Every process is a member in Redis: the shards' processes and the daemons.
+        roles = {(m["node"], m["role"]) for m in state["members"]}
+        assert {("da", "daemon"), ("db", "daemon")} <= roles
+        assert sum(1 for _n, r in roles if r == "leader") == 2 and sum(1 for _n, r in roles if r == "standby") == 2
     # A fresh client (no known locations) reads through the leases of both shards.
     with SyncKVStoreClient(config=tb.client_config(location_cache=0)) as c:
         for keys, bufs in chains[1:]:
