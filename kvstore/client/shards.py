@@ -8,10 +8,13 @@ rest of the client (reads, writes, lookups) does not know there are shards.
   callers a delay, not an error, when it is shorter than that.
 - Lookups and leases: the leading hit count of a chain is its first miss over all shards; the
   locations of the hits are merged in key order (each shard numbers its own segments, so the
-  rows' segment references are renumbered).
+  rows' segment references are renumbered); concurrent lookups to a shard share one message on
+  its leader's lookup stream (:mod:`kvstore.client.fanout`). A read gets at most ``ATTEMPT_S``
+  per try, so that a leader that hangs is left for the next one.
 - Puts and leases that span shards get one id here, standing for the shards' own ids; a commit,
   abort or release is split back by it. A put whose shard changed leader meanwhile is unknown to
-  the new one (its commit answers NOT_FOUND): the writer puts again.
+  the new one: its blocks there come back NOT_WRITTEN and the writer puts them again. One
+  shard's refusal does not lose what the others did: their leases and reservations go back.
 - A chain's blocks spread over shards, so "admit the chain in order" and "evict the tail first"
   hold within each shard's part of the chain.
 """
@@ -22,13 +25,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
-from kvstore import tickets
+from kvstore.client.fanout import Coalescer, leading, merge_locations
 from kvstore.client.streams import LookupStream
 from kvstore.cluster.coord import Coordinator
 from kvstore.errors import InvalidArgument, NotFound, Timeout, Unavailable, from_rpc_error
@@ -36,7 +38,7 @@ from kvstore.keys import KEY_BYTES
 from kvstore.rpc import GRPC_OPTIONS
 from kvstore.tls import TlsConfig, aio_channel
 from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
-from kvstore.wire import ROW_DTYPE, U32, pack, unpack
+from kvstore.wire import U32, pack, unpack
 
 log = logging.getLogger("kvstore.client")
 
@@ -58,128 +60,6 @@ def cluster_url(meta: str) -> tuple[str, str] | None:
     return url, name or "kvstore"
 
 
-def merge_locations(
-    parts: Sequence[tuple[common_pb2.Locations, Sequence[int]]], count: int, asked: bytes
-) -> common_pb2.Locations:
-    """One Locations of ``count`` rows from shards' Locations, each with the output row of each of
-    its rows (``asked``: the keys of the output rows, for rows a shard sent no stored key for)."""
-    rows = np.zeros(count, dtype=ROW_DTYPE)
-    with_tickets = any(loc.tickets for loc, _ in parts)
-    with_keys = any(loc.keys for loc, _ in parts)
-    tick = bytearray(count * tickets.TICKET.size) if with_tickets else None
-    keys = bytearray(asked[: count * KEY_BYTES]) if with_keys else None
-    segments = []
-    refs = itertools.count(1)
-    for loc, where in parts:
-        if not len(where):
-            continue
-        idx = np.asarray(where, dtype=np.int64)
-        # A shard's rows are in key order: those before the merged hit count are a prefix.
-        part = np.frombuffer(loc.rows, dtype=ROW_DTYPE)[: len(idx)].copy()
-        renumber = {}
-        for ref in loc.segments:
-            new = renumber[ref.ref] = next(refs)
-            segments.append(common_pb2.SegmentRef(ref=new, daemon=ref.daemon, segment_id=ref.segment_id, tier=ref.tier))
-        part["ref"] = [renumber.get(int(r), 0) for r in part["ref"]]
-        rows[idx] = part
-        t = tickets.TICKET.size
-        for j, i in enumerate(where):
-            if tick is not None and loc.tickets:
-                tick[i * t : (i + 1) * t] = loc.tickets[j * t : (j + 1) * t]
-            if keys is not None and loc.keys:
-                keys[i * KEY_BYTES : (i + 1) * KEY_BYTES] = loc.keys[j * KEY_BYTES : (j + 1) * KEY_BYTES]
-    return common_pb2.Locations(
-        rows=rows.tobytes() if count else b"",
-        segments=segments,
-        tickets=bytes(tick) if tick is not None else b"",
-        keys=bytes(keys) if keys is not None else b"",
-    )
-
-
-class _Coalescer:
-    """Per shard: lookups without locations share one call. At most ``INFLIGHT`` calls are in
-    flight to the shard; lookups that come meanwhile wait and go together, as one per-key
-    ``Lookup`` (up to ``COALESCE_KEYS`` keys), whose per-key answer is split back to each. So
-    under load a shard pays its per-call cost once for many callers, and a fan-out over S
-    shards costs each shard one call per round, not one per caller."""
-
-    INFLIGHT = 2
-    COALESCE_KEYS = 8192
-
-    def __init__(self, meta: ShardedMeta, shard: int) -> None:
-        self.meta = meta
-        self.shard = shard
-        self.pending: list[tuple[bytes, asyncio.Future, float | None]] = []
-        self.inflight = 0
-
-    async def exists(self, keys: bytes, timeout: float | None) -> np.ndarray:
-        n = len(keys) // KEY_BYTES
-        if n > self.COALESCE_KEYS:  # alone: its size (and any refusal of it) is its own
-            req = meta_pb2.LookupRequest(keys=keys, per_key=True)
-            resp = await self.meta.call(self.shard, "Lookup", req, timeout)
-            return np.frombuffer(resp.exists, dtype=np.uint8)
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append((keys, fut, timeout))
-        if self.inflight < self.INFLIGHT:
-            self.inflight += 1
-            asyncio.ensure_future(self._run())
-        return await fut
-
-    async def _run(self) -> None:
-        try:
-            while self.pending:
-                batch, room = [], 0
-                while self.pending and room + len(self.pending[0][0]) // KEY_BYTES <= self.COALESCE_KEYS:
-                    item = self.pending.pop(0)
-                    if not item[1].done():  # a caller that gave up is not asked for
-                        batch.append(item)
-                        room += len(item[0]) // KEY_BYTES
-                if batch:
-                    await self._send(batch, room)
-        finally:
-            self.inflight -= 1
-
-    async def _send(self, batch: list, total: int) -> None:
-        timeout = min((t for _k, _f, t in batch if t), default=None)
-        req = meta_pb2.LookupRequest(keys=b"".join(k for k, _f, _t in batch), per_key=True)
-        try:
-            resp = await self.meta.lookup_on_stream(self.shard, req, timeout)
-            bits = np.frombuffer(resp.exists, dtype=np.uint8)
-            if len(bits) != total:
-                raise Unavailable(f"shard {self.shard} answered {len(bits)} flags for {total} keys")
-        except InvalidArgument as e:
-            if len(batch) == 1:
-                raise_into(batch, e)
-                return
-            for item in batch:  # refused together (e.g. over meta.max_batch_keys): each alone
-                await self._send([item], len(item[0]) // KEY_BYTES)
-            return
-        except BaseException as e:  # every caller of the batch gets it, and none waits forever
-            raise_into(batch, e)
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            return
-        at = 0
-        for k, f, _t in batch:
-            n = len(k) // KEY_BYTES
-            if not f.done():
-                f.set_result(bits[at : at + n])
-            at += n
-
-
-def raise_into(batch: list, e: BaseException) -> None:
-    if isinstance(e, asyncio.CancelledError):
-        e = Unavailable("lookup cancelled with the client")
-    for _k, f, _t in batch:
-        if not f.done():
-            f.set_exception(e)
-
-
-def _leading(positions: np.ndarray, hit: int, n: int) -> int:
-    """The global position of a shard's first miss (``n``: it missed none)."""
-    return int(positions[hit]) if hit < len(positions) else n
-
-
 class ShardedMeta:
     """Stands in for ``MetaServiceStub`` over the shards of a cluster (see the module text)."""
 
@@ -194,7 +74,7 @@ class ShardedMeta:
         # Spanning puts and leases: our id -> (created, [(shard, its id, global rows)]).
         self._puts: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
         self._leases: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
-        self._lookups: dict[int, _Coalescer] = {}
+        self._lookups: dict[int, Coalescer] = {}
         self._streams: dict[int, tuple[Any, LookupStream]] = {}
         self._redis_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -332,7 +212,7 @@ class ShardedMeta:
         if errors:
             self._release_later([(s, a.lease_id) for s, a in answers.items() if getattr(a, "lease_id", 0)])
             raise errors[0]
-        hit = min((_leading(split[s], a.hit_count, n) for s, a in answers.items()), default=0)
+        hit = min((leading(split[s], a.hit_count, n) for s, a in answers.items()), default=0)
         locations = None
         if hit and located:
             parts = [(a.locations, [int(p) for p in split[s][: a.hit_count] if p < hit]) for s, a in answers.items()]
@@ -362,7 +242,7 @@ class ShardedMeta:
         return out
 
     async def _coalesced(self, request: meta_pb2.LookupRequest, timeout: float | None) -> meta_pb2.LookupResponse:
-        """A lookup through each shard's :class:`_Coalescer`: the per-key answers of the shards,
+        """A lookup through each shard's :class:`Coalescer`: the per-key answers of the shards,
         and the leading hit count as their first miss."""
         n = len(request.keys) // KEY_BYTES
         split = await self._split(request.keys)
@@ -399,10 +279,10 @@ class ShardedMeta:
         except Unavailable:  # no answer in time (a hung leader), or the client closing
             return await self.call(shard, "Lookup", request, timeout)
 
-    def _coalescer(self, shard: int) -> _Coalescer:
+    def _coalescer(self, shard: int) -> Coalescer:
         c = self._lookups.get(shard)
         if c is None:
-            c = self._lookups[shard] = _Coalescer(self, shard)
+            c = self._lookups[shard] = Coalescer(self, shard)
         return c
 
     async def Acquire(self, request: meta_pb2.AcquireRequest, timeout: float | None = None) -> meta_pb2.AcquireResponse:

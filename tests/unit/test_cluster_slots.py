@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kvstore import tickets
-from kvstore.client.shards import _leading, cluster_url, merge_locations
+from kvstore.client.fanout import leading, merge_locations
+from kvstore.client.shards import cluster_url
 from kvstore.cluster.coord import Leader, parse_url
 from kvstore.cluster.slots import SLOTS, SlotMap, arena, arena_of
 from kvstore.errors import InvalidArgument
@@ -77,9 +78,9 @@ def test_arenas_are_disjoint_aligned_and_found_again(capacity, shards):
 def test_leading_hit_is_the_first_miss_over_all_shards():
     # keys 0..5: shard A holds 0, 2, 4; shard B holds 1, 3, 5
     a, b = np.array([0, 2, 4]), np.array([1, 3, 5])
-    assert min(_leading(a, 3, 6), _leading(b, 1, 6)) == 3  # B misses key 3
-    assert min(_leading(a, 3, 6), _leading(b, 3, 6)) == 6
-    assert min(_leading(a, 0, 6), _leading(b, 3, 6)) == 0
+    assert min(leading(a, 3, 6), leading(b, 1, 6)) == 3  # B misses key 3
+    assert min(leading(a, 3, 6), leading(b, 3, 6)) == 6
+    assert min(leading(a, 0, 6), leading(b, 3, 6)) == 0
 
 
 def _loc(rows: list[tuple[int, int]], daemon: str, with_tickets: bool) -> common_pb2.Locations:
@@ -122,7 +123,7 @@ def test_merge_takes_only_the_rows_before_the_merged_hit_count():
 async def test_a_caller_that_gives_up_does_not_fail_the_others_in_its_batch():
     import asyncio
 
-    from kvstore.client.shards import _Coalescer
+    from kvstore.client.fanout import Coalescer
     from kvstore.v1 import meta_pb2
 
     hold = asyncio.Event()
@@ -138,7 +139,7 @@ async def test_a_caller_that_gives_up_does_not_fail_the_others_in_its_batch():
                 exists=bytes(k[0] & 1 for k in (request.keys[i : i + 16] for i in range(0, len(request.keys), 16)))
             )
 
-    c = _Coalescer(FakeMeta(), 0)
+    c = Coalescer(FakeMeta(), 0)
     k_odd, k_even = b"\x01" * 16, b"\x02" * 16
     first = [asyncio.ensure_future(c.exists(k_odd, 5)) for _ in range(2)]  # two calls in flight
     await asyncio.sleep(0)
@@ -155,7 +156,7 @@ async def test_a_caller_that_gives_up_does_not_fail_the_others_in_its_batch():
 async def test_a_failed_shared_call_fails_each_caller_once_and_none_waits():
     import asyncio
 
-    from kvstore.client.shards import _Coalescer
+    from kvstore.client.fanout import Coalescer
     from kvstore.errors import Unavailable
 
     class Down:
@@ -163,7 +164,7 @@ async def test_a_failed_shared_call_fails_each_caller_once_and_none_waits():
             await asyncio.sleep(0.01)
             raise Unavailable("shard 0 has no leader")
 
-    c = _Coalescer(Down(), 0)
+    c = Coalescer(Down(), 0)
     res = await asyncio.wait_for(
         asyncio.gather(*(c.exists(b"\x01" * 16, 1) for _ in range(5)), return_exceptions=True), 5
     )
