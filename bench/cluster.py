@@ -151,7 +151,7 @@ def _failovers(n: int, bar) -> list[float]:  # noqa: ANN001
                 c.put([key], [np.zeros(BLOCK, dtype=np.uint8)])
                 k, r = tb.leader_process(shard)
                 old = tb.leaders()[shard]
-                tb.kill(tb.shards[(k, r)])
+                tb.shards[(k, r)].kill()
                 t0 = time.monotonic()
                 while True:
                     try:

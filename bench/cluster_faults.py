@@ -257,7 +257,7 @@ def run(tmp: Path, chains: int = 60, log=print) -> dict:  # noqa: ANN001
             # 1. kill -9 a shard primary
             k, r = tb.leader_process(0)
             old = {0: tb.leaders()[0].epoch}
-            tb.kill(tb.shards[(k, r)])
+            tb.shards[(k, r)].kill()
             s = chk.outage(6.0)
             figures["lookup_recovery_s"]["shard_primary_killed"] = round(s, 3)
             tb.wait_leaders(not_epochs=old)
@@ -265,7 +265,7 @@ def run(tmp: Path, chains: int = 60, log=print) -> dict:  # noqa: ANN001
             tb.start_shard(k, r, tb.shard_hosts[(k, r)])  # back, as a standby
 
             # 2. kill -9 a daemon, then start it again (same segment)
-            tb.kill(tb.daemons["d2"])
+            tb.daemons["d2"].kill()
             missing_while_down = chk.settle(3.0)
             tb.start_daemon(2, name="d2")
             fault("daemon_killed_and_restarted")
@@ -280,7 +280,7 @@ def run(tmp: Path, chains: int = 60, log=print) -> dict:  # noqa: ANN001
             figures["faults"]["host_cut_off"]["missing_while_cut"] = missing_cut
 
             # 4. kill -9 the Redis primary (Sentinel promotes the replica)
-            tb.kill(tb.redis[0])
+            tb.redis[0].kill()
             s = chk.outage(15.0)
             figures["lookup_recovery_s"]["redis_primary_killed"] = round(s, 3)
             fault("redis_primary_killed", recover=60)

@@ -177,10 +177,6 @@ class Coordinator:
         keys = [self._k("shard", k, "leader") for k in range(shards)]
         return [Leader.parse(v) for v in await self._do("read the leaders", self.r.mget(keys))]
 
-    async def epochs(self, shards: int) -> list[int]:
-        keys = [self._k("shard", k, "epoch") for k in range(shards)]
-        return [int(v or 0) for v in await self._do("read the epochs", self.r.mget(keys))]
-
     async def announce(self, node: str, info: dict, ttl_s: float) -> None:
         await self._do("announce a member", self.r.set(self._k("member", node), json.dumps(info), px=int(ttl_s * 1000)))
 

@@ -54,7 +54,7 @@ class ShardNode:
         self._stop = asyncio.Event()
         self.elected = asyncio.Event()
         self.terms = 0
-        self.port = 0
+        self._announced = ("", 0.0)  # role, monotonic time of the last announcement
 
     # ---- the gate of every call --------------------------------------------------------------
 
@@ -104,7 +104,7 @@ class ShardNode:
             self.cfg.meta, tls=self.cfg.tls, shard=(self.shard, self.shards, self.leader.epoch), gate=self._gate
         )
         try:
-            self.port = await server.start()
+            await server.start()
         except Exception:
             log.exception("event=shard_start_failed shard=%d", self.shard)
             await self._resign()
@@ -156,6 +156,12 @@ class ShardNode:
         self._valid_until = 0.0
 
     async def _announce(self, role: str) -> None:
+        """Membership in Redis: on a change of role, else at most every half lease (a standby
+        loops every poll, and need not write every time)."""
+        now = time.monotonic()
+        if self._announced[0] == role and now - self._announced[1] < self.ttl / 2:
+            return
+        self._announced = (role, now)
         info = {
             "role": role,
             "kind": "meta",

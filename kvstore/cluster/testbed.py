@@ -348,10 +348,6 @@ class Testbed:
     # ---- faults ------------------------------------------------------------------------------
 
     @staticmethod
-    def kill(child: Child) -> None:
-        child.kill()
-
-    @staticmethod
     def pause(child: Child) -> None:
         child.proc.send_signal(signal.SIGSTOP)
 

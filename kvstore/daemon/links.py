@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from kvstore import tickets
-from kvstore.cluster.slots import arena_of
+from kvstore.cluster.slots import arena
 from kvstore.errors import Unavailable
 from kvstore.keys import KEY_BYTES
 from kvstore.rpc import GRPC_OPTIONS
@@ -52,8 +52,9 @@ def shard_inventory(invs: list[common_pb2.Inventory], sizes: dict[int, tuple[int
         if not n:
             continue
         cap, align = sizes[inv.segment_id]
+        base, span = arena(cap, align, shard, shards)
         offs = np.frombuffer(inv.offset, dtype="<u8")
-        mine = np.array([arena_of(int(o), cap, align, shards) == shard for o in offs], dtype=bool)
+        mine = (offs >= base) & (offs < base + span)  # one vectorized pass: this runs on the event loop
         if not mine.any():
             continue
         keys = np.frombuffer(inv.keys, dtype=np.uint8).reshape(n, KEY_BYTES)[mine].tobytes()

@@ -107,7 +107,7 @@ def test_killed_primary_is_replaced_and_loses_nothing(tb):
             assert c.put(keys, bufs).stored == len(keys)
         k, r = tb.leader_process(0)
         old = tb.leaders()[0]
-        tb.kill(tb.shards[(k, r)])
+        tb.shards[(k, r)].kill()
         t0 = time.monotonic()
         # Served again once every daemon has registered with the new leader (each brings its
         # own blocks back: until then some chains are misses, never errors).
