@@ -34,6 +34,10 @@ class TlsConfig:
     server_name: str = "kvstore"
     # Listen without TLS on non-loopback addresses (a network trusted by other means).
     allow_plaintext: bool = False
+    # Data port: after the TLS handshake, carry the bulk bytes in sealed records of up to 1 MiB
+    # (kvstore.transport.sealed) instead of 16 KiB TLS records. A client setting; daemons
+    # accept both.
+    sealed_records: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -155,8 +159,11 @@ def _context(tls: TlsConfig, protocol: int) -> ssl.SSLContext:
 
 
 def server_context(tls: TlsConfig) -> ssl.SSLContext:
-    """The data port's side: a client certificate is required."""
-    return _context(tls, ssl.PROTOCOL_TLS_SERVER)
+    """The data port's side: a client certificate is required. No session tickets: nothing
+    resumes, and after a switch to sealed records no TLS record may follow the handshake's."""
+    ctx = _context(tls, ssl.PROTOCOL_TLS_SERVER)
+    ctx.num_tickets = 0
+    return ctx
 
 
 def client_context(tls: TlsConfig) -> ssl.SSLContext:

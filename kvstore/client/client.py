@@ -89,6 +89,7 @@ class KVStoreClient(Reads, Writes):
             self.cfg.io_timeout_s,
             client_context(tls) if tls is not None and tls.enabled else None,
             tls.server_name if tls is not None else "",
+            sealed=tls is not None and tls.enabled and tls.sealed_records,
         )
         if self.cfg.io_threads < 1:
             raise InvalidArgument(f"client.io_threads must be at least 1, got {self.cfg.io_threads}")

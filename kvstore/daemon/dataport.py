@@ -53,6 +53,7 @@ from kvstore.transport.frames import (
     recv_bytes,
     recv_exact,
 )
+from kvstore.transport.sealed import RANDOM_BYTES, UPGRADE, server_upgrade
 
 log = logging.getLogger("kvstore.daemon.dataport")
 
@@ -209,7 +210,25 @@ class DataPort:
                 with self._lock:
                     self._conns.discard(raw)
                     self._conns.add(conn)
-            while recv_exact(conn, memoryview(head)):
+            # The first bytes: a frame's head, or (TLS only) a request for sealed records.
+            if not recv_exact(conn, memoryview(head)[: len(UPGRADE)]):
+                return
+            if self._ssl is not None and head[: len(UPGRADE)] == UPGRADE:
+                client_random = recv_bytes(conn, RANDOM_BYTES)
+                if client_random is None:
+                    return
+                tls_conn = conn
+                conn = server_upgrade(tls_conn, client_random)
+                with self._lock:
+                    self._conns.discard(tls_conn)
+                    self._conns.add(conn)  # type: ignore[arg-type]
+                first = recv_exact(conn, memoryview(head))
+            elif recv_exact(conn, memoryview(head)[len(UPGRADE) :]):
+                first = True
+            else:
+                return
+            while first or recv_exact(conn, memoryview(head)):
+                first = False
                 op, req_id = head[5], REQ_HEAD.unpack(head)[4]
                 try:
                     op, req_id, count = check_head(bytes(head))

@@ -34,6 +34,7 @@ from kvstore.transport.frames import (
     recv_bytes,
     recv_exact,
 )
+from kvstore.transport.sealed import client_upgrade
 
 IDLE_S = 30.0
 MAX_IDLE = 16
@@ -46,11 +47,16 @@ def _entry(key: bytes, segment_id: int, offset: int, length: int, csum: int, gen
 
 class TcpTransport:
     def __init__(
-        self, timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None, server_name: str = ""
+        self,
+        timeout_s: float = 10.0,
+        ssl_context: ssl.SSLContext | None = None,
+        server_name: str = "",
+        sealed: bool = False,
     ) -> None:
         self.timeout_s = timeout_s
         self._ssl = ssl_context  # mutual TLS to the data ports (kvstore.tls)
         self._server_name = server_name
+        self._sealed = sealed and ssl_context is not None  # sealed records after the handshake
         self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -72,6 +78,12 @@ class TcpTransport:
             except OSError as e:
                 s.close()
                 raise Unavailable(f"data port {addr}: TLS handshake failed: {e}") from None
+            if self._sealed:
+                try:
+                    s = client_upgrade(s)
+                except OSError as e:
+                    s.close()
+                    raise Unavailable(f"data port {addr}: switch to sealed records failed: {e}") from None
         return s
 
     def _give_back(self, addr: str, s: socket.socket) -> None:

@@ -145,3 +145,97 @@ def test_only_the_service_drives_a_daemon(secured):
         with pytest.raises(grpc.RpcError) as ei:
             daemon_pb2_grpc.DaemonControlStub(ch).GetInventory(daemon_pb2.InventoryRequest(), timeout=10)
         assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("sealed", [True, False])
+def test_tcp_reads_and_writes_with_sealed_records_or_tls_records(secured, sealed):
+    t = tls_of(secured.certs, "client")
+    t.sealed_records = sealed
+    keys = KS.block_keys(np.arange(16 * 24) + 10_000)
+    assert len(keys) == 24
+    data = [np.random.default_rng(100 + i).integers(0, 256, 300_000 + i, dtype=np.uint8) for i in range(len(keys))]
+    with SyncKVStoreClient(secured.meta_addr, ClientConfig(transport="tcp"), tls=t) as c:
+        assert c.put(keys, data).stored == len(keys)
+        out = [np.zeros_like(b) for b in data]
+        assert c.get_into(keys, out) == len(keys)
+        assert all(np.array_equal(a, b) for a, b in zip(out, data))
+        c.remove(keys)
+
+
+class FlippingRelay:
+    """A TCP relay to ``target`` that flips one bit of the daemon's stream at byte ``at`` (past
+    the TLS handshake: inside the sealed records)."""
+
+    def __init__(self, target: tuple[str, int], at: int) -> None:
+        self.target, self.at = target, at
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.srv.getsockname()[1]}"
+        self.flipped = 0
+        import threading
+
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                a, _ = self.srv.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(a, b, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(b, a, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, flip: bool) -> None:
+        seen = 0
+        try:
+            while chunk := src.recv(65536):
+                if flip and seen <= self.at < seen + len(chunk):
+                    chunk = bytearray(chunk)
+                    chunk[self.at - seen] ^= 0x10
+                    self.flipped += 1
+                seen += len(chunk)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+def test_a_bit_flipped_on_the_wire_is_a_miss_never_wrong_bytes(secured):
+    """An attacker on the network path alters one bit of a sealed record carrying payload: the
+    get loads nothing from that connection (a miss), and what it does report loaded is exact;
+    the stored blocks are untouched, so a clean read afterwards gets them all."""
+    t = tls_of(secured.certs, "client")
+    keys = KS.block_keys(np.arange(16 * 8) + 20_000)
+    assert len(keys) == 8
+    data = [np.random.default_rng(200 + i).integers(0, 256, 256 << 10, dtype=np.uint8) for i in range(len(keys))]
+    host, port = data_addr(secured, t)
+    relay = FlippingRelay((host, port), at=1 << 20)
+    try:
+        with SyncKVStoreClient(secured.meta_addr, ClientConfig(transport="tcp", io_threads=1), tls=t) as c:
+            assert c.put(keys, data).stored == len(keys)
+            tcp = c._client._tcp
+            connect = tcp._connect
+            tcp.close()  # no pooled connection around the relay
+            tcp._connect = lambda addr: connect(relay.addr)
+            out = [np.zeros_like(b) for b in data]
+            got = c.get_into(keys, out)
+            assert relay.flipped == 1
+            assert got < len(keys), "a get through an altered stream loaded every block"
+            assert all(np.array_equal(out[i], data[i]) for i in range(got))
+            tcp._connect = connect
+            tcp.close()
+            clean = [np.zeros_like(b) for b in data]
+            assert c.get_into(keys, clean) == len(keys)
+            assert all(np.array_equal(a, b) for a, b in zip(clean, data))
+    finally:
+        relay.close()

@@ -1,0 +1,174 @@
+"""Sealed bulk records for the TCP data port: what a connection carries after its mutual-TLS
+handshake, when the client asks for it.
+
+Python's ``ssl`` moves one TLS record (at most 16 KiB) per call, and spends more CPU on that
+record handling than on AES-GCM itself (``bench/store_throughput.py`` measures both). Kernel TLS
+would avoid it, but needs Python 3.12 and the kernel's ``tls`` module. So the data port does
+what kernel TLS does, in the process: TLS authenticates both ends and agrees on secrets, and the
+bulk bytes then travel in AEAD records protected the way TLS 1.3 protects its own (an AEAD key
+per direction, the record's sequence number as its nonce), only larger (up to 1 MiB), which
+costs one ``encrypt_into`` / ``decrypt_into`` call (OpenSSL's AES-GCM, without the GIL) per MiB.
+
+Upgrade, right after the TLS handshake and inside TLS::
+
+    client -> server   "KVB1" | 32 random bytes
+    server -> client   "KVB1" | 32 random bytes
+    both               TLS close_notify (``unwrap``): the TCP stream carries sealed records from here
+
+Keys: HKDF-SHA256 over both random strings (secret: TLS carried them, confidential and
+authenticated by both certificates), one AES-128-GCM key per direction. A record::
+
+    length u32 (little-endian, 1 .. MAX_RECORD; the AEAD's associated data) | ciphertext | tag 16 B
+
+with nonce = 4 zero bytes | u64 sequence number of the record in its direction, from 0. A record
+that does not authenticate (altered, dropped, replayed, reordered, cut, or from another
+connection) ends the connection with ``ConnectionError``, before its bytes are used; a length
+out of range ends it before anything is read or allocated. Plaintext leaves the channel only
+from records that authenticated.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+UPGRADE = b"KVB1"
+RANDOM_BYTES = 32
+MAX_RECORD = 1 << 20
+TAG = 16
+_LEN = struct.Struct("<I")
+_SALT = b"kvstore data port sealed records v1"
+
+
+def _keys(client_random: bytes, server_random: bytes) -> tuple[AESGCM, AESGCM]:
+    """(client -> server, server -> client) AEADs from both sides' random strings."""
+
+    def one(label: bytes) -> AESGCM:
+        kdf = HKDF(algorithm=hashes.SHA256(), length=16, salt=_SALT, info=label)
+        return AESGCM(kdf.derive(client_random + server_random))
+
+    return one(b"client to server"), one(b"server to client")
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> int:
+    pos, n = 0, len(view)
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if got == 0:
+            return pos
+        pos += got
+    return pos
+
+
+class SealedSocket:
+    """A socket-like object over a TCP socket whose bytes are sealed records: ``sendall``,
+    ``recv_into``, ``shutdown``, ``close``, as the data port and its client use them. Not shared
+    between threads (the data port serves a connection on one thread; the client pools them)."""
+
+    def __init__(self, sock: socket.socket, send: AESGCM, recv: AESGCM) -> None:
+        self.sock = sock
+        self._send, self._recv = send, recv
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._out = bytearray(_LEN.size + MAX_RECORD + TAG)
+        self._in = bytearray(MAX_RECORD + TAG)
+        self._plain = bytearray(MAX_RECORD)  # a record's plaintext the reader took only part of
+        self._plain_at = 0
+        self._plain_end = 0
+
+    @staticmethod
+    def _nonce(seq: int) -> bytes:
+        return b"\0\0\0\0" + seq.to_bytes(8, "little")
+
+    def sendall(self, data) -> None:  # noqa: ANN001 - bytes-like
+        view = memoryview(data).cast("B")
+        out = memoryview(self._out)
+        for at in range(0, len(view), MAX_RECORD):
+            chunk = view[at : at + MAX_RECORD]
+            n = len(chunk)
+            head = _LEN.pack(n)
+            out[: _LEN.size] = head
+            self._send.encrypt_into(self._nonce(self._send_seq), chunk, head, out[_LEN.size : _LEN.size + n + TAG])
+            self._send_seq += 1
+            self.sock.sendall(out[: _LEN.size + n + TAG])
+
+    def _next_length(self) -> tuple[int, bytes]:
+        """The next record's length and header; (0, b"") at a clean end of the stream."""
+        head = bytearray(_LEN.size)
+        got = _recv_exact(self.sock, memoryview(head))
+        if got == 0:
+            return 0, b""
+        if got < _LEN.size:
+            raise ConnectionError("sealed record cut short in its length")
+        (n,) = _LEN.unpack(head)
+        if not 0 < n <= MAX_RECORD:
+            raise ConnectionError(f"sealed record length {n} is outside 1..{MAX_RECORD}")
+        return n, bytes(head)
+
+    def _open(self, n: int, head: bytes, dest: memoryview) -> None:
+        """Reads the body of a record of ``n`` bytes and opens it into ``dest`` (``n`` bytes)."""
+        body = memoryview(self._in)[: n + TAG]
+        if _recv_exact(self.sock, body) < n + TAG:
+            raise ConnectionError("sealed record cut short")
+        try:
+            self._recv.decrypt_into(self._nonce(self._recv_seq), body, head, dest)
+        except InvalidTag:
+            raise ConnectionError("sealed record failed authentication") from None
+        self._recv_seq += 1
+
+    def recv_into(self, buffer, nbytes: int = 0) -> int:  # noqa: ANN001 - writable bytes-like
+        view = memoryview(buffer).cast("B")
+        want = nbytes or len(view)
+        if self._plain_at == self._plain_end:
+            if want == 0:
+                return 0
+            n, head = self._next_length()
+            if n == 0:
+                return 0
+            if n <= want:  # the whole record fits: opened straight into the caller's buffer
+                self._open(n, head, view[:n])
+                return n
+            self._open(n, head, memoryview(self._plain)[:n])
+            self._plain_at, self._plain_end = 0, n
+        n = min(want, self._plain_end - self._plain_at)
+        view[:n] = memoryview(self._plain)[self._plain_at : self._plain_at + n]
+        self._plain_at += n
+        return n
+
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+
+def client_upgrade(tls_sock) -> SealedSocket:  # noqa: ANN001 - ssl.SSLSocket
+    """The client's side: asks for sealed records inside TLS, then leaves TLS."""
+    mine = os.urandom(RANDOM_BYTES)
+    tls_sock.sendall(UPGRADE + mine)
+    reply = bytearray(len(UPGRADE) + RANDOM_BYTES)
+    if _recv_exact(tls_sock, memoryview(reply)) < len(reply) or reply[:4] != UPGRADE:
+        raise ConnectionError("the data port did not accept sealed records")
+    c2s, s2c = _keys(mine, bytes(reply[4:]))
+    sock = tls_sock.unwrap()
+    return SealedSocket(sock, c2s, s2c)
+
+
+def server_upgrade(tls_sock, client_random: bytes) -> SealedSocket:  # noqa: ANN001 - ssl.SSLSocket
+    """The daemon's side, once it read the client's request (``UPGRADE`` + its random bytes)."""
+    if len(client_random) != RANDOM_BYTES:
+        raise ConnectionError("malformed sealed-records request")
+    mine = os.urandom(RANDOM_BYTES)
+    tls_sock.sendall(UPGRADE + mine)
+    c2s, s2c = _keys(client_random, mine)
+    sock = tls_sock.unwrap()
+    return SealedSocket(sock, s2c, c2s)
