@@ -10,12 +10,11 @@ import threading
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.transport.frames import recv_exact
-from kvstore.transport.sealed import _LEN, MAX_RECORD, TAG, SealedSocket, _keys
+from kvstore.transport.sealed import _LEN, AEAD, MAX_RECORD, TAG, SealedSocket, _keys
 
 
 def pair() -> tuple[SealedSocket, SealedSocket, socket.socket, socket.socket]:
@@ -173,7 +172,7 @@ def test_the_key_schedule_gives_each_direction_its_own_key():
     again, _ = _keys(cr, sr)
     assert again.decrypt(nonce, sealed, b"") == b"x" * 32
     other, _ = _keys(os.urandom(32), sr)
-    assert isinstance(other, AESGCM)
+    assert isinstance(other, AEAD)
     with pytest.raises(Exception):  # noqa: B017
         other.decrypt(nonce, sealed, b"")
 
