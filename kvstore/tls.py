@@ -159,8 +159,9 @@ def _context(tls: TlsConfig, protocol: int) -> ssl.SSLContext:
 
 
 def server_context(tls: TlsConfig) -> ssl.SSLContext:
-    """The data port's side: a client certificate is required. No session tickets: nothing
-    resumes, and after a switch to sealed records no TLS record may follow the handshake's."""
+    """The data port's side: a client certificate is required. No TLS 1.3 session tickets:
+    nothing resumes, and after a switch to sealed records (kvstore.transport.sealed) no TLS
+    record may follow the upgrade's answer."""
     ctx = _context(tls, ssl.PROTOCOL_TLS_SERVER)
     ctx.num_tickets = 0
     return ctx

@@ -53,7 +53,7 @@ from kvstore.transport.frames import (
     recv_bytes,
     recv_exact,
 )
-from kvstore.transport.sealed import RANDOM_BYTES, UPGRADE, server_upgrade
+from kvstore.transport.sealed import REQUEST_BYTES, UPGRADE, server_upgrade
 
 log = logging.getLogger("kvstore.daemon.dataport")
 
@@ -214,11 +214,11 @@ class DataPort:
             if not recv_exact(conn, memoryview(head)[: len(UPGRADE)]):
                 return
             if self._ssl is not None and head[: len(UPGRADE)] == UPGRADE:
-                client_random = recv_bytes(conn, RANDOM_BYTES)
-                if client_random is None:
+                request = recv_bytes(conn, REQUEST_BYTES - len(UPGRADE))
+                if request is None:
                     return
                 tls_conn = conn
-                conn = server_upgrade(tls_conn, client_random)
+                conn = server_upgrade(tls_conn, request)
                 with self._lock:
                     self._conns.discard(tls_conn)
                     self._conns.add(conn)  # type: ignore[arg-type]

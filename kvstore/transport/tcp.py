@@ -193,7 +193,8 @@ class TcpTransport:
                 if status[0] != EntryStatus.OK:
                     ok.append(False)
                     continue
-                recv_exact(s, memoryview(dest))
+                if not recv_exact(s, memoryview(dest)):
+                    raise ConnectionError("data port closed mid-response")
                 ok.append(checksum(dest) == c)
         except OSError as e:
             s.close()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.transport.frames import recv_exact
-from kvstore.transport.sealed import _LEN, AEAD, MAX_RECORD, TAG, SealedSocket, _keys
+from kvstore.transport.sealed import _LEN, GCM, MAX_RECORD, OCB3, SUITES, TAG, SealedSocket, _keys
 
 
 def pair() -> tuple[SealedSocket, SealedSocket, socket.socket, socket.socket]:
@@ -172,7 +172,7 @@ def test_the_key_schedule_gives_each_direction_its_own_key():
     again, _ = _keys(cr, sr)
     assert again.decrypt(nonce, sealed, b"") == b"x" * 32
     other, _ = _keys(os.urandom(32), sr)
-    assert isinstance(other, AEAD)
+    assert isinstance(other, SUITES[OCB3])
     with pytest.raises(Exception):  # noqa: B017
         other.decrypt(nonce, sealed, b"")
 
@@ -195,3 +195,94 @@ def test_random_bytes_never_open(noise, claimed):
     finally:
         r.close()
     assert got == 0
+
+
+@pytest.mark.parametrize("suite", [OCB3, GCM])
+def test_each_suite_round_trips_and_the_suite_is_part_of_the_keys(suite):
+    cr, sr = os.urandom(32), os.urandom(32)
+    a, b = socket.socketpair()
+    c2s, s2c = _keys(cr, sr, suite)
+    client, server = SealedSocket(a, c2s, s2c), SealedSocket(b, s2c, c2s)
+    client.sendall(b"z" * 5000)
+    out = bytearray(5000)
+    assert recv_exact(server, memoryview(out)) and out == b"z" * 5000
+    other = GCM if suite == OCB3 else OCB3
+    c2s_other, _ = _keys(cr, sr, other)
+    nonce = bytes(12)
+    with pytest.raises(Exception):  # noqa: B017 - another suite's key opens nothing
+        c2s_other.decrypt(nonce, c2s.encrypt(nonce, b"x" * 16, b""), b"")
+
+
+def test_a_record_that_fails_leaves_zeros_in_the_callers_buffer():
+    def flip(raw: list[bytes]) -> bytes:
+        a = bytearray(raw[0])
+        a[-1] ^= 1  # the tag
+        return bytes(a + raw[1])
+
+    r, _ = relayed(flip)
+    buf = bytearray(b"\xff" * 1000)
+    with pytest.raises(ConnectionError, match="authentication"):
+        r.recv_into(buf, 1000)
+    assert buf == bytes(1000), "bytes of a record that failed authentication were left in the buffer"
+
+
+def test_nbytes_beyond_the_buffer_is_refused_like_a_socket_does():
+    client, server, *_ = pair()
+    client.sendall(b"abc")
+    with pytest.raises(ValueError):
+        server.recv_into(bytearray(2), 3)
+    assert server.recv_into(bytearray(3)) == 3  # nothing was consumed by the refused call
+
+
+@pytest.mark.parametrize("daemon_has_ocb", [True, False])
+def test_the_upgrade_over_real_tls_agrees_on_a_suite_and_leaves_tls(tmp_path, monkeypatch, daemon_has_ocb):
+    """A mutual-TLS pair upgrades: the daemon takes the client's suite if it runs it, else
+    AES-GCM; both then move bytes in sealed records over the bare TCP stream."""
+    import ssl
+
+    from kvstore import certs
+    from kvstore.tls import TlsConfig, client_context, server_context
+    from kvstore.transport import sealed
+
+    certs.make(tmp_path, ("daemon", "client"))
+
+    def tls(name: str) -> TlsConfig:
+        return TlsConfig(str(tmp_path / "ca.pem"), str(tmp_path / f"{name}.pem"), str(tmp_path / f"{name}.key"))
+
+    srv_ctx, cli_ctx = server_context(tls("daemon")), client_context(tls("client"))
+    real = sealed.available
+
+    def available(suite: int) -> bool:
+        if threading.current_thread().name == "daemon" and not daemon_has_ocb and suite == OCB3:
+            return False
+        return real(suite)
+
+    monkeypatch.setattr(sealed, "available", available)
+    a, b = socket.socketpair()
+    got: dict = {}
+
+    def daemon() -> None:
+        t = srv_ctx.wrap_socket(b, server_side=True)
+        head = bytearray(len(sealed.UPGRADE))
+        recv_exact(t, memoryview(head))
+        assert bytes(head) == sealed.UPGRADE
+        rest = bytearray(sealed.REQUEST_BYTES - len(sealed.UPGRADE))
+        recv_exact(t, memoryview(rest))
+        s = sealed.server_upgrade(t, bytes(rest))
+        buf = bytearray(11)
+        recv_exact(s, memoryview(buf))
+        got["daemon"] = bytes(buf)
+        got["suite"] = type(s._send)
+        s.sendall(b"pong" * 1000)
+
+    th = threading.Thread(target=daemon, name="daemon")
+    th.start()
+    c = sealed.client_upgrade(cli_ctx.wrap_socket(a, server_hostname="kvstore"))
+    assert not isinstance(c.sock, ssl.SSLSocket) or c.sock._sslobj is None  # TLS is left
+    c.sendall(b"hello world")
+    out = bytearray(4000)
+    assert recv_exact(c, memoryview(out)) and out == b"pong" * 1000
+    th.join(10)
+    assert got["daemon"] == b"hello world"
+    assert got["suite"] is (SUITES[OCB3] if daemon_has_ocb else SUITES[GCM])
+    assert type(c._send) is got["suite"]
