@@ -23,7 +23,7 @@ Pure bookkeeping: no torch, no KV bytes. Not thread-safe.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import NewType
 
@@ -49,6 +49,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockKey, int] = {}
         self.num_evictions = 0
+        # When set, every key the prefix cache takes (True) or drops (False) is appended here,
+        # in order: what engine.device_tier reports to the store's index.
+        self.events: deque[tuple[bool, BlockKey]] | None = None
 
     # -- queries (no side effects) ------------------------------------------------------------
 
@@ -131,6 +134,8 @@ class BlockManager:
         self._cached[key] = block_id
         self._key[block_id] = key
         self._tokens[block_id] = tuple(token_ids)
+        if self.events is not None:
+            self.events.append((True, key))
         return True
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -162,6 +167,8 @@ class BlockManager:
             self._key[b] = None
             self._tokens[b] = None
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.append((False, key))
 
     # -- invariants ---------------------------------------------------------------------------
 

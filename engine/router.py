@@ -11,10 +11,13 @@ time to first token, then to a decode worker chosen by load against the TPOT tar
                 + transfer_bytes(w) / bandwidth(w)           # what it must load from the store
 
 ``uncached`` counts the prompt's tokens beyond the longer of two cached prefixes: the store's
-(a side-effect-free lookup of the prompt's block keys) and the worker's own local prefix cache
-(estimated from the prompts the router recently sent it). Throughput and bandwidth are what the
-workers measured. A request whose best estimate misses ``ttft_target_s`` is refused at once
-with HTTP 429. ``routing="round_robin"`` ignores all of this (for comparison);
+and the worker's own cache, both from one side-effect-free per-tier lookup of the prompt's block
+keys (the device tier: what each worker reported its cache holds, ``engine.device_tier``, plus
+what the router sent it since its last report could land; for a worker that does not report,
+what the router recently sent it). Only the part the worker does not hold itself is loaded.
+Throughput and bandwidth are what the workers measured. A request whose best estimate misses
+``ttft_target_s`` is refused at once with HTTP 429. ``routing="round_robin"`` ignores all of this
+and ``routing="least_loaded"`` looks only at the queues (both for comparison);
 ``mode="colocated"`` sends the whole request to one worker that does both phases.
 
 Every response carries, besides the OpenAI fields, ``kvstore``: TTFT, TPOT, and the prompt
@@ -47,6 +50,9 @@ from prometheus_client import (
 
 log = logging.getLogger("engine.router")
 
+# How long a worker's cache event may take to reach the index (its reporter's interval, twice).
+REPORT_LAG_S = 0.5
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -54,7 +60,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 class RouterConfig:
     model_name: str = "kvstore-llama"
     mode: str = "disagg"  # or "colocated"
-    routing: str = "cache_aware"  # or "round_robin"
+    routing: str = "cache_aware"  # or "round_robin", "least_loaded"
     ttft_target_s: float = 5.0
     tpot_target_s: float = 0.5
     health_interval_s: float = 0.5
@@ -75,20 +81,36 @@ class WorkerRef:
     def tps(self) -> float:
         return self.health.get("prefill_tps") or 2000.0
 
-    def local_hit(self, keys: list[bytes]) -> int:
+    def local_hit(self, keys: list[bytes], since: float = 0.0) -> int:
+        """Leading keys the router sent this worker (at or after ``since``, monotonic)."""
         n = 0
         for k in keys:
-            if k not in self.recent:
+            t = self.recent.get(k)
+            if t is None or t < since:
                 break
             n += 1
         return n
 
     def remember(self, keys: list[bytes], limit: int) -> None:
+        now = time.monotonic()
         for k in keys:
-            self.recent[k] = None
+            self.recent[k] = now
             self.recent.move_to_end(k)
         while len(self.recent) > limit:
             self.recent.popitem(last=False)
+
+    @property
+    def reports_device_tier(self) -> bool:
+        """The worker reports its cache to the store's index (engine.device_tier)."""
+        return bool(self.health.get("device_tier"))
+
+    def device_hit(self, keys: list[bytes], tiers) -> int:  # noqa: ANN001 - kvstore TierLookup or None
+        """Leading keys this worker holds in its own cache: as it reported them to the store's
+        index (plus what the router sent it since its last report could land), or, for a worker
+        that does not report, as the router remembers sending them."""
+        if tiers is None or not self.reports_device_tier:
+            return self.local_hit(keys)
+        return max(tiers.device(self.url), self.local_hit(keys, since=time.monotonic() - REPORT_LAG_S))
 
 
 class RequestError(Exception):
@@ -143,8 +165,8 @@ class Router:
     def __init__(self, cfg: RouterConfig, workers: list[WorkerRef], store: str = "") -> None:
         if cfg.mode not in ("disagg", "colocated"):
             raise ValueError(f"router mode must be disagg or colocated, got {cfg.mode!r}")
-        if cfg.routing not in ("cache_aware", "round_robin"):
-            raise ValueError(f"routing must be cache_aware or round_robin, got {cfg.routing!r}")
+        if cfg.routing not in ("cache_aware", "round_robin", "least_loaded"):
+            raise ValueError(f"routing must be cache_aware, round_robin or least_loaded, got {cfg.routing!r}")
         self.cfg = cfg
         self.workers = workers
         self.store_addr = store
@@ -212,26 +234,30 @@ class Router:
         want = ("both",) if self.cfg.mode == "colocated" else (role,)
         return [w for w in self.workers if w.alive and w.role in want]
 
-    async def _store_hit(self, keys: list[bytes]) -> int:
+    async def _tiers(self, keys: list[bytes]):  # noqa: ANN202 - kvstore TierLookup or None
+        """Where the prompt's blocks are: in the store (DRAM, SSD) and in which worker's cache
+        (the device tier), in one lookup; None without a store or when it does not answer."""
         if self.store is None or not keys:
-            return 0
+            return None
         try:
-            return await self.store.lookup(keys)
-        except Exception:  # noqa: BLE001 - an unreachable store means: nothing cached there
-            return 0
+            return await self.store.lookup_tiers(keys)
+        except Exception:  # noqa: BLE001 - an unreachable store means: nothing known there
+            return None
 
-    def uncached_tokens(self, w: WorkerRef, keys: list[bytes], prompt_len: int, store_hit: int) -> tuple[int, int]:
-        """(tokens the worker must compute, bytes it must load) for this prompt."""
+    def uncached_tokens(self, w: WorkerRef, keys: list[bytes], prompt_len: int, tiers=None) -> tuple[int, int]:  # noqa: ANN001
+        """(tokens the worker must compute, bytes it must load) for this prompt, given where its
+        blocks are (``tiers``: the store's per-tier lookup, or None)."""
         bs = self.info["block_size"]
-        local = w.local_hit(keys)
-        have = max(local, store_hit) * bs
+        local = w.device_hit(keys, tiers)
+        stored = tiers.stored if tiers is not None else 0
+        have = max(local, stored) * bs
         # The last token is always computed, so a fully cached prompt still computes its last block.
         uncached = max(prompt_len - have, bs if prompt_len % bs == 0 else prompt_len % bs)
-        return uncached, max(0, store_hit - local) * self.info["block_bytes"]
+        return uncached, max(0, stored - local) * self.info["block_bytes"]
 
-    def estimate_ttft(self, w: WorkerRef, keys: list[bytes], prompt_len: int, store_hit: int) -> float:
+    def estimate_ttft(self, w: WorkerRef, keys: list[bytes], prompt_len: int, tiers=None) -> float:  # noqa: ANN001
         """Queue ahead (the compute the router already sent it) + own compute + own load."""
-        uncached, transfer = self.uncached_tokens(w, keys, prompt_len, store_hit)
+        uncached, transfer = self.uncached_tokens(w, keys, prompt_len, tiers)
         # Effective bandwidth (round trips included), as the workers measured it on real loads.
         bw = w.health.get("store_effective_bandwidth") or 2e9
         est = (w.queued_tokens + uncached) / w.tps() + (transfer / bw if transfer else 0.0)
@@ -245,11 +271,14 @@ class Router:
         pool = self._pool("prefill")
         if not pool:
             raise RequestError(503, "no prefill worker is available", "service_unavailable")
-        store_hit = await self._store_hit(keys)
+        tiers = await self._tiers(keys)
         # Ties (equal estimates) go to the worker with fewer requests in flight.
-        ests = [(self.estimate_ttft(w, keys, prompt_len, store_hit), w.active, i, w) for i, w in enumerate(pool)]
+        ests = [(self.estimate_ttft(w, keys, prompt_len, tiers), w.active, i, w) for i, w in enumerate(pool)]
         if self.cfg.routing == "round_robin":
             w = pool[next(self._rr["prefill"]) % len(pool)]
+            est = next(e for e, _, _, x in ests if x is w)
+        elif self.cfg.routing == "least_loaded":  # the least queued compute, blind to caches
+            w = min(pool, key=lambda x: (x.queued_tokens / x.tps(), x.active))
             est = next(e for e, _, _, x in ests if x is w)
         else:
             est, _, _, w = min(ests)
@@ -260,7 +289,7 @@ class Router:
                     "retry later",
                     "rate_limit_exceeded",
                 )
-        return w, est, self.uncached_tokens(w, keys, prompt_len, store_hit)[0]
+        return w, est, self.uncached_tokens(w, keys, prompt_len, tiers)[0]
 
     def choose_decode(self) -> WorkerRef:
         pool = self._pool("decode")

@@ -139,7 +139,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dram", default="512MiB", help="DRAM of the embedded store")
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks per worker")
     ap.add_argument("--no-prefix-cache", action="store_true", help="turn the workers' local prefix caches off")
-    ap.add_argument("--routing", default="cache_aware", choices=("cache_aware", "round_robin"))
+    ap.add_argument("--routing", default="cache_aware", choices=("cache_aware", "round_robin", "least_loaded"))
     ap.add_argument("--ttft-target-ms", type=float, default=5000.0)
     ap.add_argument("--tpot-target-ms", type=float, default=500.0)
     ap.add_argument("--host", default="127.0.0.1")

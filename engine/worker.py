@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -71,6 +72,7 @@ class Worker:
         self.queued_tokens = 0
         self.steps = 0
         self.step_seconds = 0.0
+        self.reporter = None  # engine.device_tier.CacheReporter, when the store indexes this cache
         inner = connector.load if connector is not None else None
 
         def load_hook(req):  # noqa: ANN001, ANN202
@@ -214,6 +216,14 @@ class Worker:
             "store_latency": None if c is None else c.latency.value,
             "store_effective_bandwidth": None if c is None else c.effective_bandwidth.value,
             "store_tokens_loaded": None if c is None else c.stats.tokens_loaded,
+            "device_tier": None
+            if self.reporter is None
+            else {
+                "engine_id": self.reporter.engine_id,
+                "blocks": len(self.reporter.held),
+                "reports": self.reporter.reports,
+                "failures": self.reporter.failures,
+            },
             "block_bytes": self.engine.kv_cache.block_nbytes,
             "block_size": self.engine.config.block_size,
             "step_s": self.step_seconds / self.steps if self.steps else None,
@@ -297,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--no-prefix-cache", action="store_true", help="turn the engine's local prefix cache off")
     ap.add_argument("--load-policy", default="auto", choices=("auto", "always", "never"))
+    ap.add_argument(
+        "--no-device-tier", action="store_true", help="do not report this cache's blocks to the store's index"
+    )
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
     torch_threads()
@@ -326,10 +339,23 @@ def main(argv: list[str] | None = None) -> int:
         site = web.TCPSite(runner, ns.host, ns.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        print(
-            "READY " + json.dumps({"url": f"http://{ns.host}:{port}", "role": ns.role, "pid": os.getpid()}), flush=True
-        )
-        await asyncio.Event().wait()
+        url = f"http://{ns.host}:{port}"
+        if client is not None and not ns.no_device_tier and ns.role != "decode":
+            from engine.device_tier import CacheReporter
+
+            # Before the first request: every block the cache takes from here on is reported.
+            worker.reporter = CacheReporter(client, engine_id=url, url=url)
+            engine.block_manager.events = worker.reporter.events
+            worker.reporter.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print("READY " + json.dumps({"url": url, "role": ns.role, "pid": os.getpid()}), flush=True)
+        await stop.wait()
+        if worker.reporter is not None:
+            await asyncio.to_thread(worker.reporter.close)  # its holdings leave the index now
+        await runner.cleanup()
 
     try:
         asyncio.run(serve())

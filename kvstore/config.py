@@ -43,6 +43,10 @@ class MetaConfig:
     # Eviction, demotion order and admission: "adaptive" (recency or frequency, whichever the
     # traffic rewards, see kvstore.meta.policy) or "lru" (recency only, every block stored).
     cache_policy: str = "adaptive"
+    # The device tier (kvstore.meta.engines): an engine's reported holdings lapse this long after
+    # its last report unless it names another time to live; at most this many engines.
+    engine_ttl_s: float = 3.0
+    max_engines: int = 1024
     # Sign a capability ticket for every placement handed out, so that daemons serve a data-port
     # entry only to whom the service gave it (kvstore.tickets); false: daemons check none.
     data_tickets: bool = True
@@ -318,8 +322,10 @@ def validate(cfg: Config) -> None:
     m, d = cfg.meta, cfg.daemon
     for key in ("max_batch_keys", "max_block_bytes", "put_timeout_s", "lease_ttl_s", "daemon_ttl_s",
                 "heartbeat_interval_s", "sweep_interval_s", "tier_interval_s", "move_batch_bytes",
-                "daemon_rpc_timeout_s"):  # fmt: skip
+                "daemon_rpc_timeout_s", "engine_ttl_s", "max_engines"):  # fmt: skip
         positive("meta", key)
+    if m.engine_ttl_s > 60:
+        raise InvalidArgument(f"meta.engine_ttl_s: at most 60 s, got {m.engine_ttl_s}")
     if m.heartbeat_interval_s >= m.daemon_ttl_s:
         raise InvalidArgument(
             f"meta.heartbeat_interval_s ({m.heartbeat_interval_s}) must be below meta.daemon_ttl_s "

@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from kvstore.client.buffers import INLINE_COPY_BYTES
+from kvstore.client.engines import EngineReports, TierLookup  # noqa: F401 - TierLookup is part of the API
 from kvstore.client.locations import LocationCache
 from kvstore.client.reads import Reads
 from kvstore.client.shards import ShardedMeta, cluster_url
@@ -60,7 +61,7 @@ PRUNE_S = 30.0
 _STREAM_MAX_KEYS = 4096
 
 
-class KVStoreClient(Reads, Writes):
+class KVStoreClient(Reads, Writes, EngineReports):
     """Asyncio client. Create it inside a running loop; use ``async with`` or call ``close``."""
 
     def __init__(

@@ -220,23 +220,35 @@ class ShardedMeta:
         return split, answers, hit, locations
 
     async def Lookup(self, request: meta_pb2.LookupRequest, timeout: float | None = None) -> meta_pb2.LookupResponse:
-        if not request.with_locations:
+        if not request.with_locations and not request.per_tier:
             return await self._coalesced(request, timeout)
         split, answers, hit, locations = await self._chain(
             "Lookup",
             request,
             lambda keys: meta_pb2.LookupRequest(
-                keys=keys, per_key=request.per_key, with_locations=request.with_locations
+                keys=keys, per_key=request.per_key, with_locations=request.with_locations, per_tier=request.per_tier
             ),
             timeout,
             request.with_locations,
         )
+        n = len(request.keys) // KEY_BYTES
         out = meta_pb2.LookupResponse(hit_count=hit)
         if request.per_key:
-            exists = np.zeros(len(request.keys) // KEY_BYTES, dtype=np.uint8)
+            exists = np.zeros(n, dtype=np.uint8)
             for s, a in answers.items():
                 exists[split[s]] = np.frombuffer(a.exists, dtype=np.uint8)
             out.exists = exists.tobytes()
+        if request.per_tier:  # per-key answers put back in key order; an engine's from every shard
+            tiers = np.zeros(n, dtype=np.uint8)
+            engines: dict[str, tuple[str, np.ndarray]] = {}
+            for s, a in answers.items():
+                tiers[split[s]] = np.frombuffer(a.tiers, dtype=np.uint8)
+                for e in a.engines:
+                    row = engines.setdefault(e.engine_id, (e.url, np.zeros(n, dtype=np.uint8)))[1]
+                    row[split[s]] = np.frombuffer(e.held, dtype=np.uint8)
+            out.tiers = tiers.tobytes()
+            for eid, (url, held) in engines.items():
+                out.engines.add(engine_id=eid, url=url, held=held.tobytes())
         if request.with_locations and locations is not None:
             out.locations.CopyFrom(locations)
         return out
@@ -452,6 +464,25 @@ class ShardedMeta:
         }
         answers = await self._fan(method, reqs, timeout) if reqs else {}
         return meta_pb2.CountResponse(count=sum(a.count for a in answers.values()))
+
+    async def ReportEngineBlocks(
+        self, request: meta_pb2.ReportEngineBlocksRequest, timeout: float | None = None
+    ) -> meta_pb2.ReportEngineBlocksResponse:
+        """Every shard gets the report (so that each keeps the engine's holdings alive), with the
+        added and removed keys it owns."""
+        smap = await self._map()
+        added = smap.split(request.added) if request.added else {}
+        removed = smap.split(request.removed) if request.removed else {}
+        reqs = {}
+        for s in range(smap.shards):
+            r = meta_pb2.ReportEngineBlocksRequest()
+            r.CopyFrom(request)
+            r.added = self._sub(request.added, added[s]) if s in added else b""
+            r.removed = self._sub(request.removed, removed[s]) if s in removed else b""
+            reqs[s] = r
+        answers = await self._fan("ReportEngineBlocks", reqs, timeout)
+        ttl = min((a.ttl_ms for a in answers.values()), default=request.ttl_ms)
+        return meta_pb2.ReportEngineBlocksResponse(held=sum(a.held for a in answers.values()), ttl_ms=ttl)
 
     async def Remove(self, request: meta_pb2.KeysRequest, timeout: float | None = None) -> meta_pb2.CountResponse:
         return await self._keys_call("Remove", request, timeout)

@@ -98,6 +98,12 @@ class SyncKVStoreClient:
     def exists(self, keys: Sequence[bytes] | bytes) -> list[bool]:
         return self._run(self._client.exists(keys))
 
+    def lookup_tiers(self, keys: Sequence[bytes] | bytes):  # noqa: ANN201 - kvstore.client.engines.TierLookup
+        return self._run(self._client.lookup_tiers(keys))
+
+    def report_engine_blocks(self, engine_id: str, url: str = "", added=(), removed=(), **kw) -> int:  # noqa: ANN001, ANN003
+        return self._run(self._client.report_engine_blocks(engine_id, url, added, removed, **kw))
+
     def get_into(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
         # Known blocks are read here, in the caller's thread; the rest through the event loop.
         with self._lock:

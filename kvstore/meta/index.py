@@ -12,8 +12,9 @@ Replica life cycle::
 
 The module is split where its seams are: the records it is made of (:mod:`.records`), extent
 allocation (:mod:`.allocator`), daemon membership and tombstones (:mod:`.membership`), writes,
-placement and eviction (:mod:`.writes`), the cache policy (:mod:`.policy`) and tier planning
-(:mod:`.tiers`); this file holds the state, the reads, management, expiry and the integrity check.
+placement and eviction (:mod:`.writes`), the cache policy (:mod:`.policy`), tier planning
+(:mod:`.tiers`) and the engines' device tier (:mod:`.engines`); this file holds the state, the
+reads, management, expiry and the integrity check.
 
 Eviction is per segment, over ready replicas that are neither leased nor pinned (those are not in
 the segment's recency order at all, so they can never be picked), in the order the cache policy
@@ -49,6 +50,7 @@ from collections.abc import Iterable
 
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.meta.engines import DeviceTier, EngineTier
 from kvstore.meta.membership import MAX_TOMBSTONES, Membership  # noqa: F401 - re-exported
 from kvstore.meta.policy import make_policy
 from kvstore.meta.records import (  # noqa: F401 - re-exported: the index API names them
@@ -99,7 +101,7 @@ def _expired(heap: list[tuple[float, int]], table: dict, now: float) -> list[int
     return out
 
 
-class Index(Membership, Writes, TierMoves):
+class Index(Membership, Writes, TierMoves, DeviceTier):
     """The metadata service's state. Every public method validates its input first and changes
     nothing when it raises."""
 
@@ -108,6 +110,10 @@ class Index(Membership, Writes, TierMoves):
         self.clock = clock or Clock()
         self.entries: dict[bytes, Entry] = {}
         self.policy = make_policy(self.limits.cache_policy, self.entries)
+        # Blocks held in engines' own caches (the device tier): known, not readable here.
+        self.engine_tier = EngineTier(
+            self.limits.max_engines, self.limits.max_engine_blocks, self.limits.max_engine_ttl_s
+        )
         self.daemons: dict[str, Daemon] = {}
         self.puts: dict[int, Put] = {}
         self.leases: dict[int, Lease] = {}
@@ -387,6 +393,7 @@ class Index(Membership, Writes, TierMoves):
         for did in [d for d, st in self.daemons.items() if st.deadline < now]:
             self._drop_daemon(did)
             out["daemons"] += 1
+        out["engines"] = self.engine_tier.expire(now)
         for pid in _expired(self._put_deadlines, self.puts, now):
             self.put_abort(pid)
             out["puts"] += 1
@@ -404,6 +411,7 @@ class Index(Membership, Writes, TierMoves):
         """Asserts the accounting: every live replica is in exactly one place, every segment's
         used bytes equal its replicas' extents (plus freed-but-leased ones), LRU holds exactly
         the evictable replicas, a complete entry has a ready replica."""
+        self.engine_tier.check_integrity()
         per_seg: dict[int, int] = {}
         blocks: dict[int, int] = {}
         pinned: dict[int, int] = {}

@@ -209,4 +209,6 @@ class Membership:
         that time against it."""
         for d in self.daemons.values():
             d.deadline += seconds
+        for e in self.engine_tier.engines.values():
+            e.deadline += seconds
         self.counters["stall_grace"] += 1

@@ -268,6 +268,11 @@ class IndexLimits:
     dram_low_watermark: float = 0.8
     # Eviction and admission (kvstore.meta.policy): "adaptive" or "lru".
     cache_policy: str = "adaptive"
+    # The device tier (kvstore.meta.engines): engines reporting their caches' blocks.
+    engine_ttl_s: float = 3.0
+    max_engine_ttl_s: float = 60.0
+    max_engines: int = 1024
+    max_engine_blocks: int = 1 << 22
     # In a sharded cluster (kvstore.cluster): this index is shard `shard` of `shards`, and
     # allocates only in its arena of each segment (kvstore.cluster.slots.arena).
     shard: int = 0

@@ -92,6 +92,8 @@ class MetaServer:
             dram_high_watermark=cfg.dram_high_watermark,
             dram_low_watermark=cfg.dram_low_watermark,
             cache_policy=cfg.cache_policy,
+            engine_ttl_s=cfg.engine_ttl_s,
+            max_engines=cfg.max_engines,
             shard=self.shard,
             shards=self.shards,
         )
@@ -182,7 +184,10 @@ class MetaServer:
             log.warning("event=service_stalled seconds=%.3f action=daemon_leases_extended", lag)
         out = self.index.expire()
         if any(out.values()):
-            log.info("event=expired daemons=%d puts=%d leases=%d", out["daemons"], out["puts"], out["leases"])
+            log.info(
+                "event=expired daemons=%d puts=%d leases=%d engines=%d",
+                out["daemons"], out["puts"], out["leases"], out["engines"],
+            )  # fmt: skip
         self.link.prune()
         await self.link.flush()
 

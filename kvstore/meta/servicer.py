@@ -244,14 +244,39 @@ class MetaServicer:
 
     def Lookup(self, request, context):
         ident = self._who(context, "tenant", "admin")
-        hit, exists, locs = self.index.lookup(
-            self._keys(request.keys, ident), per_key=request.per_key, with_locations=request.with_locations
-        )
-        return meta_pb2.LookupResponse(
+        keys = self._keys(request.keys, ident)
+        hit, exists, locs = self.index.lookup(keys, per_key=request.per_key, with_locations=request.with_locations)
+        resp = meta_pb2.LookupResponse(
             hit_count=hit,
             exists=pack(exists, U8) if request.per_key else b"",
             locations=locations_to_pb(locs, keys=self.authority is not None) if request.with_locations else None,
         )
+        if request.per_tier:
+            tiers, engines = self.index.tiers(keys)
+            resp.tiers = tiers
+            mine = f"{ident.name}:" if self.authority is not None else ""
+            for eid, (url, held) in engines.items():
+                if eid.startswith(mine):  # a tenant sees its own engines only
+                    resp.engines.add(engine_id=eid[len(mine) :], url=url, held=bytes(held))
+        return resp
+
+    def ReportEngineBlocks(self, request, context):
+        ident = self._who(context, "tenant", "admin")
+        if not request.engine_id:
+            raise InvalidArgument("engine_id must not be empty")
+        # Engines are named within their tenant, and report that tenant's keys.
+        eid = f"{ident.name}:{request.engine_id}" if self.authority is not None else request.engine_id
+        held = self.index.report_engine(
+            eid,
+            request.url,
+            self._keys(request.added, ident) if request.added else b"",
+            self._keys(request.removed, ident) if request.removed else b"",
+            reset=request.reset,
+            ttl_s=request.ttl_ms / 1000.0,
+            leave=request.leave,
+        )
+        ttl = request.ttl_ms or int(self.index.limits.engine_ttl_s * 1000)
+        return meta_pb2.ReportEngineBlocksResponse(held=held, ttl_ms=ttl)
 
     # Each message of the stream is answered as a Lookup (kvstore.rpc._wrap_each).
     LookupStream = Lookup
@@ -375,6 +400,10 @@ class MetaServicer:
                 )
         for k, v in idx.counters.items():
             resp.counters[k] = v
+        for k, v in idx.engine_tier.counters.items():
+            resp.counters[k] = v
+        resp.counters["engines"] = len(idx.engine_tier)
+        resp.counters["engine_blocks"] = sum(len(e.keys) for e in idx.engine_tier.engines.values())
         return resp
 
     async def AdvanceClock(self, request, context):

@@ -144,24 +144,66 @@ class PutAbortResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "per_key", "with_locations")
+    __slots__ = ("keys", "per_key", "with_locations", "per_tier")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PER_KEY_FIELD_NUMBER: _ClassVar[int]
     WITH_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    PER_TIER_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     per_key: bool
     with_locations: bool
-    def __init__(self, keys: _Optional[bytes] = ..., per_key: _Optional[bool] = ..., with_locations: _Optional[bool] = ...) -> None: ...
+    per_tier: bool
+    def __init__(self, keys: _Optional[bytes] = ..., per_key: _Optional[bool] = ..., with_locations: _Optional[bool] = ..., per_tier: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_count", "exists", "locations")
+    __slots__ = ("hit_count", "exists", "locations", "tiers", "engines")
     HIT_COUNT_FIELD_NUMBER: _ClassVar[int]
     EXISTS_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     hit_count: int
     exists: bytes
     locations: _common_pb2.Locations
-    def __init__(self, hit_count: _Optional[int] = ..., exists: _Optional[bytes] = ..., locations: _Optional[_Union[_common_pb2.Locations, _Mapping]] = ...) -> None: ...
+    tiers: bytes
+    engines: _containers.RepeatedCompositeFieldContainer[EngineHeld]
+    def __init__(self, hit_count: _Optional[int] = ..., exists: _Optional[bytes] = ..., locations: _Optional[_Union[_common_pb2.Locations, _Mapping]] = ..., tiers: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineHeld, _Mapping]]] = ...) -> None: ...
+
+class EngineHeld(_message.Message):
+    __slots__ = ("engine_id", "url", "held")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    url: str
+    held: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., url: _Optional[str] = ..., held: _Optional[bytes] = ...) -> None: ...
+
+class ReportEngineBlocksRequest(_message.Message):
+    __slots__ = ("engine_id", "url", "added", "removed", "reset", "ttl_ms", "leave")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    url: str
+    added: bytes
+    removed: bytes
+    reset: bool
+    ttl_ms: int
+    leave: bool
+    def __init__(self, engine_id: _Optional[str] = ..., url: _Optional[str] = ..., added: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., reset: _Optional[bool] = ..., ttl_ms: _Optional[int] = ..., leave: _Optional[bool] = ...) -> None: ...
+
+class ReportEngineBlocksResponse(_message.Message):
+    __slots__ = ("held", "ttl_ms")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    ttl_ms: int
+    def __init__(self, held: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("keys", "ttl_ms", "host_id")

@@ -89,6 +89,11 @@ class MetaServiceStub:
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.TouchRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_meta__pb2.TouchResponse.FromString,
                 _registered_method=True)
+        self.ReportEngineBlocks = channel.unary_unary(
+                '/kvstore.v1.MetaService/ReportEngineBlocks',
+                request_serializer=kvstore_dot_v1_dot_meta__pb2.ReportEngineBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_meta__pb2.ReportEngineBlocksResponse.FromString,
+                _registered_method=True)
         self.Remove = channel.unary_unary(
                 '/kvstore.v1.MetaService/Remove',
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.KeysRequest.SerializeToString,
@@ -195,6 +200,16 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEngineBlocks(self, request, context):
+        """Engines: the blocks an inference engine holds in its own paged cache (the device tier),
+        reported in batches as its cache takes and drops them. The store cannot read them; lookups
+        with per_tier name the engines that hold them, so a router can send a request where its
+        prefix is. Holdings live as long as reports keep coming (ttl_ms each).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Remove(self, request, context):
         """Management.
         """
@@ -284,6 +299,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.Touch,
                     request_deserializer=kvstore_dot_v1_dot_meta__pb2.TouchRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_meta__pb2.TouchResponse.SerializeToString,
+            ),
+            'ReportEngineBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEngineBlocks,
+                    request_deserializer=kvstore_dot_v1_dot_meta__pb2.ReportEngineBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_meta__pb2.ReportEngineBlocksResponse.SerializeToString,
             ),
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
@@ -608,6 +628,33 @@ class MetaService:
             '/kvstore.v1.MetaService/Touch',
             kvstore_dot_v1_dot_meta__pb2.TouchRequest.SerializeToString,
             kvstore_dot_v1_dot_meta__pb2.TouchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEngineBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.MetaService/ReportEngineBlocks',
+            kvstore_dot_v1_dot_meta__pb2.ReportEngineBlocksRequest.SerializeToString,
+            kvstore_dot_v1_dot_meta__pb2.ReportEngineBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

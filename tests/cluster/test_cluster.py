@@ -196,3 +196,18 @@ def test_leases_and_reservations_on_other_shards_are_given_back(tb):
             assert time.monotonic() < deadline, (st.active_leases, st.pending_puts)
             time.sleep(0.05)
         assert c.exists(big) == [False] * 6
+
+
+def test_engine_holdings_span_shards_and_lookups_merge_them(tb):
+    rng = np.random.default_rng(5)
+    keys = [rng.bytes(16) for _ in range(64)]
+    smap = SlotMap.even(2)
+    assert len(smap.split(b"".join(keys))) == 2, "the keys should fall on both shards"
+    with SyncKVStoreClient(config=tb.client_config()) as c:
+        assert c.report_engine_blocks("w1", "http://w1", keys[:40], reset=True) == 40
+        t = c.lookup_tiers(keys)
+        assert t.device("w1") == 40 and t.stored == 0 and len(t.tiers) == 64
+        assert c.report_engine_blocks("w1", "http://w1", removed=keys[10:11]) == 39
+        assert c.lookup_tiers(keys).device("w1") == 10
+        assert c.report_engine_blocks("w1", leave=True) == 0
+        assert c.lookup_tiers(keys).engines == {}

@@ -118,3 +118,18 @@ def test_check_integrity_names_the_broken_equation():
     bm._ref[3] = 1  # a block in use that is still in the free list
     with pytest.raises(AssertionError, match="num_blocks 4 != free 2 \\+ in use 3"):
         bm.check_integrity()
+
+
+def test_cache_events_follow_the_prefix_cache_in_order():
+    from collections import deque
+
+    bm = BlockManager(num_blocks=2, block_size=2)
+    bm.events = deque()
+    a, b = bm.allocate(2)
+    assert bm.cache_block(a, b"k" * 16, [1, 2]) and bm.cache_block(b, b"j" * 16, [3, 4])
+    assert not bm.cache_block(b, b"j" * 16, [3, 4])  # not taken twice: no event
+    bm.free([a, b])
+    bm.allocate(1)  # takes a's block (freed last-first, so the tail b goes first)
+    assert list(bm.events) == [(True, b"k" * 16), (True, b"j" * 16), (False, b"j" * 16)]
+    assert bm.reset_prefix_cache() == 1
+    assert bm.events[-1] == (False, b"k" * 16)

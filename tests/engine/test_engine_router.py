@@ -77,3 +77,63 @@ def test_ties_go_to_the_worker_with_fewer_requests_in_flight():
     keys = KS.block_keys(list(range(64)))
     r.workers[0].active = 3
     assert choose(r, keys, 64)[0] is r.workers[1]
+
+
+class FakeStore:
+    """The store's per-tier lookup, as kvstore's client answers it (kvstore.client.engines)."""
+
+    def __init__(self, keys, stored: int, devices: dict[str, int]) -> None:  # noqa: ANN001
+        from kvstore.client.engines import EngineHolding, TierLookup
+
+        n = len(keys)
+        self.answer = TierLookup(
+            n,
+            bytes([1] * stored + [0] * (n - stored)),
+            {url: EngineHolding(url, bytes([1] * d + [0] * (n - d))) for url, d in devices.items()},
+        )
+
+    async def lookup_tiers(self, keys):  # noqa: ANN001, ANN201
+        return self.answer
+
+
+def reporting(r: Router) -> Router:
+    for w in r.workers:
+        w.health["device_tier"] = {"engine_id": w.url, "blocks": 0, "reports": 1, "failures": 0}
+    return r
+
+
+def test_the_device_tier_decides_where_a_prefix_is_held():
+    r = reporting(make())
+    keys = KS.block_keys(list(range(800)))
+    # The router once sent the prefix to p0, but p0's cache dropped it; p1 holds 30 blocks on device.
+    r.workers[0].recent.update({k: 0.0 for k in keys})
+    r.store = FakeStore(keys, stored=0, devices={"http://p1": 30})
+    w, _est, cost = choose(r, keys, 800)
+    assert w is r.workers[1] and cost == 800 - 30 * 16
+
+
+def test_a_device_hit_needs_no_load_and_a_store_hit_costs_its_transfer():
+    r = reporting(make())
+    keys = KS.block_keys(list(range(800)))
+    r.store = FakeStore(keys, stored=40, devices={"http://p0": 40})
+    tiers = asyncio.run(r._tiers(keys))
+    assert r.uncached_tokens(r.workers[0], keys, 800, tiers) == (800 - 40 * 16, 0)
+    assert r.uncached_tokens(r.workers[1], keys, 800, tiers) == (800 - 40 * 16, 40 * (1 << 20))
+    assert choose(r, keys, 800)[0] is r.workers[0]
+
+
+def test_a_worker_that_does_not_report_is_judged_by_what_the_router_sent_it():
+    r = make()  # no device_tier in health
+    keys = KS.block_keys(list(range(800)))
+    r.store = FakeStore(keys, stored=0, devices={"http://p1": 50})
+    r.workers[0].remember(keys[:10], 1000)
+    w, _, cost = choose(r, keys, 800)
+    assert w is r.workers[0] and cost == 800 - 10 * 16
+
+
+def test_least_loaded_ignores_caches():
+    r = reporting(make(routing="least_loaded"))
+    keys = KS.block_keys(list(range(800)))
+    r.store = FakeStore(keys, stored=0, devices={"http://p1": 50})
+    r.workers[1].queued_tokens = 100
+    assert choose(r, keys, 800)[0] is r.workers[0]

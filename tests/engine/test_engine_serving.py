@@ -252,3 +252,64 @@ def test_engine_demo_prints_ttft_with_and_without_reuse():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "greedy output identical with and without the store: yes" in r.stdout
     assert "TTFT p50:" in r.stdout and "with kvstore vs" in r.stdout
+
+
+def test_device_tier_follows_the_workers_caches_and_a_killed_worker_leaves_it(reference):
+    """Colocated workers report their caches to the store's index: a prefix one worker computed
+    shows as its device-tier hit; the router sends the same prefix back to it; blocks its cache
+    evicts leave the index; a SIGKILLed worker's holdings lapse within its time to live."""
+    import time
+
+    from kvstore import SyncKVStoreClient
+
+    r = Running(DeploymentSpec(model="tiny", colocated=2, store="embedded", num_blocks=24))
+    try:
+        router = r.d.router
+        ks = router.keyspace
+        ids = prompt_ids(8 * BS + 5, seed=21)
+        keys = ks.block_keys(ids)
+        _, info = r.complete(ids, max_tokens=4, ignore_eos=True)
+        assert info["output_ids"] == reference(ids, 4)
+        with SyncKVStoreClient(r.d.store_addr) as c:
+
+            def device(url: str) -> int:
+                return c.lookup_tiers(keys).device(url)
+
+            def wait(cond, what: str) -> None:  # noqa: ANN001
+                deadline = time.monotonic() + 10
+                while not cond():
+                    assert time.monotonic() < deadline, what
+                    time.sleep(0.1)
+
+            urls = [w.url for w in router.workers]
+            wait(lambda: max(device(u) for u in urls) == len(keys), "the computing worker's blocks never appeared")
+            holder = next(u for u in urls if device(u) == len(keys))
+            other = next(u for u in urls if u != holder)
+            assert device(other) == 0
+            # The same prefix again: the router sends it where it is held; the output is the same.
+            _, again = r.complete(ids + [7, 8, 9], max_tokens=4, ignore_eos=True)
+            assert again["tokens_cached"] >= 8 * BS
+            assert again["output_ids"] == reference(ids + [7, 8, 9], 4)
+            # Fill the holder's 24-block cache with other prompts (sent to it directly): its
+            # cache evicts the first prefix, and the index hears of it.
+            for seed in range(30, 34):
+                q = prompt_ids(8 * BS, seed=seed)
+                asyncio.run_coroutine_threadsafe(_complete_on(router.session, holder, q), r.loop).result(120)
+            wait(lambda: device(holder) < len(keys), "blocks the cache evicted stayed in the index")
+            # SIGKILL: no goodbye; the holdings go when the worker's time to live passes.
+            new_keys = ks.block_keys(prompt_ids(8 * BS, seed=33))
+            wait(lambda: c.lookup_tiers(new_keys).device(holder) > 0, "the latest prompt was never reported")
+            victim = next(ch for ch in r.d.children if ch.info.get("url") == holder)
+            victim.kill()
+            t = time.monotonic()
+            wait(lambda: holder not in c.lookup_tiers(new_keys).engines, "a killed worker kept its holdings")
+            assert time.monotonic() - t < 6.0
+    finally:
+        r.close()
+
+
+async def _complete_on(session, url: str, ids: list[int]) -> None:  # noqa: ANN001
+    body = {"prompt_ids": ids, "max_tokens": 1, "ignore_eos": True}
+    async with session.post(url + "/generate", json=body) as resp:
+        async for _ in resp.content:
+            pass

@@ -163,3 +163,14 @@ def test_quotas_bound_what_a_tenant_holds(cluster, tmp_path):
         raw(cluster, "a", "Pin", meta_pb2.KeysRequest(keys=keys[32:48]))
     assert raw(cluster, "a", "Unpin", meta_pb2.KeysRequest(keys=keys[:16])).count == 1
     assert raw(cluster, "a", "Pin", meta_pb2.KeysRequest(keys=keys[32:48])).count == 1
+
+
+def test_engines_of_one_tenant_are_invisible_to_another(tenants):
+    with client(tenants, "a") as a, client(tenants, "b") as b:
+        assert a.report_engine_blocks("worker-0", "http://a", KEYS[:3], reset=True) == 3
+        assert a.lookup_tiers(KEYS).device("worker-0") == 3
+        assert b.lookup_tiers(KEYS).engines == {}  # the same prompt, another tenant: nothing
+        # The same engine name in tenant b is another engine: it cannot reset or drop a's.
+        assert b.report_engine_blocks("worker-0", "http://b", [], reset=True) == 0
+        assert b.report_engine_blocks("worker-0", leave=True) == 0
+        assert a.lookup_tiers(KEYS).device("worker-0") == 3

@@ -585,7 +585,7 @@ def test_lease_expires_with_clock():
     put(idx, 0, 1)
     a = idx.acquire(pk(0, 1), ttl_s=2.0)
     clock.advance(1.5)
-    assert idx.expire() == {"daemons": 0, "puts": 0, "leases": 0}
+    assert idx.expire() == {"daemons": 0, "puts": 0, "leases": 0, "engines": 0}
     idx.heartbeat("d1")
     clock.advance(1.0)
     out = idx.expire()
@@ -829,7 +829,7 @@ def test_writer_crash_reclaimed_at_deadline():
     assert r.put_id in idx.puts
     clock.advance(0.2)
     idx.heartbeat("d1")
-    assert idx.expire() == {"daemons": 0, "puts": 1, "leases": 0}
+    assert idx.expire() == {"daemons": 0, "puts": 1, "leases": 0, "engines": 0}
     assert idx.counters["expired_puts"] == 1
     assert idx.entries == {} and idx.puts == {}
     assert seg(idx).alloc.used == 0
@@ -1454,7 +1454,7 @@ def test_randomized_soak(seed):
             exp_puts = [pid for pid, (dl, _) in m.puts.items() if dl < now]
             exp_leases = [lid for lid, (dl, _, _) in m.leases.items() if dl < now]
             out = idx.expire()
-            assert out == {"daemons": 0, "puts": len(exp_puts), "leases": len(exp_leases)}
+            assert out == {"daemons": 0, "puts": len(exp_puts), "leases": len(exp_leases), "engines": 0}
             for pid in exp_puts:
                 _, items = m.puts.pop(pid)
                 for key, _ in items:

@@ -1,0 +1,178 @@
+"""The device tier: blocks that inference engines hold in their own paged caches.
+
+An engine (a worker of ``engine/``, or any engine with a connector) reports in batches which
+blocks its cache took and dropped, as vLLM's and Dynamo's KV events do. The index keeps, per
+key, the engines that hold it, so that a lookup can say which engine holds how much of a prefix
+on its device, next to what the store holds in DRAM and on SSD, and a router can send a request
+where its prefix already is. These are not replicas the store can read: the bytes live in the
+engine; an engine that wants another's block asks that engine to put it into the store.
+
+Liveness: every report carries a time to live; an engine that stops reporting (killed, hung,
+cut off) loses all its holdings when it passes, and one that leaves on purpose drops them at
+once. A report with ``reset`` replaces everything the engine reported before (its first report
+after a start, so a restarted engine never keeps its predecessor's holdings).
+
+Bounds: at most ``max_engines`` engines and ``max_blocks`` keys per engine; keys beyond are not
+recorded (counted), never an error, since losing a hint costs a recomputation, not data.
+
+Pure state, time from the index's clock, like the rest of :mod:`kvstore.meta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.meta.records import Tier
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    url: str
+    deadline: float
+    keys: set[bytes] = field(default_factory=set)
+
+
+class EngineTier:
+    def __init__(self, max_engines: int = 1024, max_blocks: int = 1 << 22, max_ttl_s: float = 60.0) -> None:
+        self.max_engines = max_engines
+        self.max_blocks = max_blocks
+        self.max_ttl_s = max_ttl_s
+        self.engines: dict[str, Engine] = {}
+        self.holders: dict[bytes, set[str]] = {}
+        self.counters = {"engine_reports": 0, "engine_keys_dropped": 0, "engines_expired": 0, "engines_left": 0}
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def report(
+        self,
+        engine_id: str,
+        url: str,
+        added: list[bytes],
+        removed: list[bytes],
+        reset: bool,
+        ttl_s: float,
+        now: float,
+        leave: bool = False,
+    ) -> int:
+        """Applies one batch of an engine's events; returns how many keys it now holds."""
+        if not engine_id or len(engine_id) > 256:
+            raise InvalidArgument("engine_id: 1 to 256 characters")
+        if len(url) > 1024:
+            raise InvalidArgument("url: at most 1024 characters")
+        if not 0 < ttl_s <= self.max_ttl_s:
+            raise InvalidArgument(f"ttl: {ttl_s:g} s is outside (0, {self.max_ttl_s:g}] s")
+        e = self.engines.get(engine_id)
+        if leave:
+            if e is not None:
+                self.drop(engine_id)
+                self.counters["engines_left"] += 1
+            return 0
+        if e is None:
+            if len(self.engines) >= self.max_engines:
+                raise ResourceExhausted(f"{len(self.engines)} engines report already, the limit of {self.max_engines}")
+            e = self.engines[engine_id] = Engine(engine_id, url, now + ttl_s)
+        elif reset:
+            self._forget(e, list(e.keys))
+        self.counters["engine_reports"] += 1
+        e.url, e.deadline = url or e.url, now + ttl_s
+        self._forget(e, removed)
+        for k in added:
+            if k in e.keys:
+                continue
+            if len(e.keys) >= self.max_blocks:
+                self.counters["engine_keys_dropped"] += 1
+                continue
+            e.keys.add(k)
+            self.holders.setdefault(k, set()).add(engine_id)
+        return len(e.keys)
+
+    def _forget(self, e: Engine, keys: list[bytes]) -> None:
+        for k in keys:
+            if k in e.keys:
+                e.keys.discard(k)
+                who = self.holders.get(k)
+                if who is not None:
+                    who.discard(e.engine_id)
+                    if not who:
+                        del self.holders[k]
+
+    def drop(self, engine_id: str) -> int:
+        """Forgets an engine and everything it held; returns how many keys."""
+        e = self.engines.pop(engine_id, None)
+        if e is None:
+            return 0
+        n = len(e.keys)
+        self._forget(e, list(e.keys))
+        return n
+
+    def expire(self, now: float) -> int:
+        gone = [i for i, e in self.engines.items() if e.deadline < now]
+        for i in gone:
+            self.drop(i)
+        self.counters["engines_expired"] += len(gone)
+        return len(gone)
+
+    def held(self, keys: list[bytes]) -> dict[str, tuple[str, bytearray]]:
+        """For each engine holding any of ``keys``: (url, one byte per key, 1 where it holds it)."""
+        out: dict[str, tuple[str, bytearray]] = {}
+        get = self.holders.get
+        for i, k in enumerate(keys):
+            who = get(k)
+            if not who:
+                continue
+            for eid in who:
+                row = out.get(eid)
+                if row is None:
+                    row = out[eid] = (self.engines[eid].url, bytearray(len(keys)))
+                row[1][i] = 1
+        return out
+
+    def check_integrity(self) -> None:
+        n = 0
+        for eid, e in self.engines.items():
+            assert e.engine_id == eid
+            for k in e.keys:
+                assert eid in self.holders.get(k, ()), f"engine {eid} holds {k.hex()} unindexed"
+            n += len(e.keys)
+        assert sum(len(w) for w in self.holders.values()) == n, "holder sets disagree with engines' keys"
+        assert all(self.holders.values()), "an empty holder set is kept"
+
+
+class DeviceTier:
+    """The index's side (a mixin of :class:`kvstore.meta.index.Index`): engines' reports, and
+    lookups that answer per tier."""
+
+    def tiers(self, packed_keys: bytes) -> tuple[bytes, dict[str, tuple[str, bytearray]]]:
+        """Where each key is, per tier, without side effects: one byte per key (bit 0: a ready
+        DRAM replica, bit 1: a ready SSD replica) and, per engine holding any of the keys in its
+        own cache (the device tier), its URL and one byte per key (1: held)."""
+        keys = self._keys(packed_keys)
+        out = bytearray(len(keys))
+        get = self.entries.get
+        for i, k in enumerate(keys):
+            e = get(k)
+            if e is not None and e.complete:
+                for r in e.replicas:
+                    if r.ready and r.segment.spec.tier in (Tier.DRAM, Tier.SSD):
+                        out[i] |= 1 << (r.segment.spec.tier - 1)
+        return bytes(out), self.engine_tier.held(keys)
+
+    def report_engine(
+        self,
+        engine_id: str,
+        url: str,
+        added: bytes,
+        removed: bytes,
+        reset: bool = False,
+        ttl_s: float = 0.0,
+        leave: bool = False,
+    ) -> int:
+        """An engine's batch of cache events (:mod:`kvstore.meta.engines`); returns how many
+        keys it holds now. Validates everything before changing anything."""
+        ttl = self._timeout(ttl_s, self.limits.engine_ttl_s, self.limits.max_engine_ttl_s, "engine ttl")
+        add = self._keys(added, "added") if added else []
+        drop = self._keys(removed, "removed") if removed else []
+        return self.engine_tier.report(engine_id, url, add, drop, reset, ttl, self.clock.now(), leave)
