@@ -70,6 +70,17 @@ class BlockManager:
     def is_cached(self, block_id: int) -> bool:
         return self._key[block_id] is not None
 
+    def cached_run(self, keys: Sequence[BlockKey]) -> list[BlockId]:
+        """Blocks holding the leading run of ``keys`` (by key alone: they were registered with the
+        tokens their key commits to). No references taken, LRU order untouched."""
+        out: list[BlockId] = []
+        for k in keys:
+            b = self._cached.get(k)
+            if b is None:
+                break
+            out.append(BlockId(b))
+        return out
+
     def match_prefix(self, keys: Sequence[BlockKey], token_ids: Sequence[int]) -> list[BlockId]:
         """Blocks holding the leading run of ``keys`` whose stored tokens equal ``token_ids``'s.
 

@@ -35,6 +35,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import aiohttp
 from aiohttp import web
@@ -52,6 +53,8 @@ log = logging.getLogger("engine.router")
 
 # How long a worker's cache event may take to reach the index (its reporter's interval, twice).
 REPORT_LAG_S = 0.5
+# The fixed cost of a pull: the export call and the store's put round trips.
+PULL_OVERHEAD_S = 0.005
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -101,16 +104,30 @@ class WorkerRef:
 
     @property
     def reports_device_tier(self) -> bool:
-        """The worker reports its cache to the store's index (engine.device_tier)."""
-        return bool(self.health.get("device_tier"))
+        """The worker reports its cache to the store's index (engine.device_tier), and its last
+        report was taken."""
+        dt = self.health.get("device_tier")
+        return bool(dt) and bool(dt.get("synced", True))
+
+    @property
+    def engine_id(self) -> str:
+        return (self.health.get("device_tier") or {}).get("engine_id") or self.url
 
     def device_hit(self, keys: list[bytes], tiers) -> int:  # noqa: ANN001 - kvstore TierLookup or None
         """Leading keys this worker holds in its own cache: as it reported them to the store's
         index (plus what the router sent it since its last report could land), or, for a worker
         that does not report, as the router remembers sending them."""
-        if tiers is None or not self.reports_device_tier:
+        if tiers is None or not tiers.per_tier or not self.reports_device_tier:
             return self.local_hit(keys)
-        return max(tiers.device(self.url), self.local_hit(keys, since=time.monotonic() - REPORT_LAG_S))
+        return max(tiers.device(self.engine_id), self.local_hit(keys, since=time.monotonic() - REPORT_LAG_S))
+
+
+class Choice(NamedTuple):
+    worker: WorkerRef
+    est: float  # estimated seconds to first token
+    cost: int  # tokens it will compute
+    pull_from: WorkerRef | None = None  # a peer whose cache holds a longer prefix, exported first
+    pull_blocks: int = 0  # the prefix length (blocks) held once the pull is done
 
 
 class RequestError(Exception):
@@ -241,6 +258,12 @@ class Router:
             return None
         try:
             return await self.store.lookup_tiers(keys)
+        except Exception:  # noqa: BLE001 - a store without tiers: its leading hit alone
+            pass
+        try:
+            from kvstore.client.engines import TierLookup
+
+            return TierLookup.stored_only(len(keys), await self.store.lookup(keys))
         except Exception:  # noqa: BLE001 - an unreachable store means: nothing known there
             return None
 
@@ -258,38 +281,83 @@ class Router:
     def estimate_ttft(self, w: WorkerRef, keys: list[bytes], prompt_len: int, tiers=None) -> float:  # noqa: ANN001
         """Queue ahead (the compute the router already sent it) + own compute + own load."""
         uncached, transfer = self.uncached_tokens(w, keys, prompt_len, tiers)
+        return self._ttft(w, uncached, transfer)
+
+    def _ttft(self, w: WorkerRef, uncached: int, transfer: int, extra_s: float = 0.0) -> float:
         # Effective bandwidth (round trips included), as the workers measured it on real loads.
         bw = w.health.get("store_effective_bandwidth") or 2e9
-        est = (w.queued_tokens + uncached) / w.tps() + (transfer / bw if transfer else 0.0)
+        est = (w.queued_tokens + uncached) / w.tps() + (transfer / bw if transfer else 0.0) + extra_s
         if w.role == "both":
             # A colocated worker interleaves the prefill with decode steps of what it runs.
             est += w.active * (w.health.get("step_s") or 0.0)
         return est
 
-    async def choose_prefill(self, keys: list[bytes], prompt_len: int) -> tuple[WorkerRef, float, int]:
-        """The prefill worker, its TTFT estimate, and the tokens it will compute (its queue cost)."""
+    def plan(self, w: WorkerRef, keys: list[bytes], prompt_len: int, tiers, pool: list[WorkerRef]) -> Choice:  # noqa: ANN001
+        """How ``w`` would serve the prompt: from its own cache and the store, or also with a
+        longer prefix that another worker holds on its device, exported to the store for ``w``
+        to load (a pull), when that is estimated to be faster than computing those tokens."""
+        uncached, transfer = self.uncached_tokens(w, keys, prompt_len, tiers)
+        best = Choice(w, self._ttft(w, uncached, transfer), uncached)
+        if tiers is None or not tiers.per_tier or self.cfg.routing != "cache_aware":
+            return best
+        local = w.device_hit(keys, tiers)
+        have = max(local, tiers.stored)
+        # Only holdings a peer reported: the router cannot pull what it merely sent there.
+        peers = [(tiers.device(v.engine_id), v) for v in pool if v is not w and v.reports_device_tier]
+        held, peer = max(peers, key=lambda p: p[0], default=(0, None))
+        if peer is None or held <= have:
+            return best
+        bs, bb = self.info["block_size"], self.info["block_bytes"]
+        pulled = max(prompt_len - held * bs, bs if prompt_len % bs == 0 else prompt_len % bs)
+        # The peer copies the blocks out between two of its steps and puts them; w loads them.
+        export_s = (held - have) * bb / (peer.health.get("store_effective_bandwidth") or 2e9) + PULL_OVERHEAD_S
+        if peer.active:
+            export_s += peer.health.get("step_s") or 0.0
+        est = self._ttft(w, pulled, (held - local) * bb, export_s)
+        if est < best.est:
+            return Choice(w, est, pulled, peer, held)
+        return best
+
+    async def plan_prefill(self, keys: list[bytes], prompt_len: int) -> Choice:
+        """The prefill worker, its TTFT estimate, the tokens it will compute (its queue cost),
+        and the peer to pull a prefix from first, if any."""
         pool = self._pool("prefill")
         if not pool:
             raise RequestError(503, "no prefill worker is available", "service_unavailable")
         tiers = await self._tiers(keys)
-        # Ties (equal estimates) go to the worker with fewer requests in flight.
-        ests = [(self.estimate_ttft(w, keys, prompt_len, tiers), w.active, i, w) for i, w in enumerate(pool)]
+        plans = [self.plan(w, keys, prompt_len, tiers, pool) for w in pool]
         if self.cfg.routing == "round_robin":
-            w = pool[next(self._rr["prefill"]) % len(pool)]
-            est = next(e for e, _, _, x in ests if x is w)
-        elif self.cfg.routing == "least_loaded":  # the least queued compute, blind to caches
-            w = min(pool, key=lambda x: (x.queued_tokens / x.tps(), x.active))
-            est = next(e for e, _, _, x in ests if x is w)
-        else:
-            est, _, _, w = min(ests)
-            if est > self.cfg.ttft_target_s:
-                raise RequestError(
-                    429,
-                    f"estimated time to first token {est:.2f} s exceeds the target of {self.cfg.ttft_target_s:.2f} s; "
-                    "retry later",
-                    "rate_limit_exceeded",
-                )
-        return w, est, self.uncached_tokens(w, keys, prompt_len, tiers)[0]
+            return plans[next(self._rr["prefill"]) % len(pool)]
+        if self.cfg.routing == "least_loaded":  # the least queued compute, blind to caches
+            return min(plans, key=lambda c: (c.worker.queued_tokens / c.worker.tps(), c.worker.active))
+        # Ties (equal estimates) go to the worker with fewer requests in flight.
+        best = min(plans, key=lambda c: (c.est, c.worker.active))
+        if best.est > self.cfg.ttft_target_s:
+            raise RequestError(
+                429,
+                f"estimated time to first token {best.est:.2f} s exceeds the target of {self.cfg.ttft_target_s:.2f} s; "
+                "retry later",
+                "rate_limit_exceeded",
+            )
+        return best
+
+    async def choose_prefill(self, keys: list[bytes], prompt_len: int) -> tuple[WorkerRef, float, int]:
+        """The prefill worker, its TTFT estimate, and the tokens it will compute (its queue cost)."""
+        c = await self.plan_prefill(keys, prompt_len)
+        return c.worker, c.est, c.cost
+
+    async def pull(self, peer: WorkerRef, keys: list[bytes]) -> int:
+        """Has ``peer`` put the leading run of ``keys`` its cache holds into the store; returns
+        how many blocks the store holds from it (0 on any failure: the worker computes them)."""
+        try:
+            body = {"keys": [k.hex() for k in keys]}
+            async with self.session.post(peer.url + "/export", json=body) as r:  # type: ignore[union-attr]
+                if r.status != 200:
+                    return 0
+                return int((await r.json())["exported"])
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
+            log.warning("event=pull_failed peer=%s reason=%r", peer.url, str(e))
+            return 0
 
     def choose_decode(self) -> WorkerRef:
         pool = self._pool("decode")
@@ -361,7 +429,8 @@ class Router:
         t0 = time.perf_counter()
         ids = req["prompt_ids"]
         keys = self.keyspace.block_keys(ids)  # type: ignore[union-attr]
-        pw, est, cost = await self.choose_prefill(keys, len(ids))
+        choice = await self.plan_prefill(keys, len(ids))
+        pw, est, cost = choice.worker, choice.est, choice.cost
         params = {k: req[k] for k in ("max_tokens", "temperature", "seed", "ignore_eos")}
         pw.queued_tokens += cost
         pw.active += 1
@@ -370,6 +439,9 @@ class Router:
         t_tokens: list[float] = []
         finish = None
         try:
+            if choice.pull_from is not None:  # the prefix out of a peer's cache, into the store
+                info["pulled_from"] = choice.pull_from.url
+                info["pulled_blocks"] = await self.pull(choice.pull_from, keys[: choice.pull_blocks])
             path = "/generate" if self.cfg.mode == "colocated" else "/prefill"
             async with self.session.post(pw.url + path, json={"prompt_ids": ids, **params}) as r:  # type: ignore[union-attr]
                 if r.status == 400:

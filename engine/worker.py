@@ -12,6 +12,10 @@ Roles:
   recomputed, and tokens are generated with continuous batching, streamed one NDJSON line each.
 - ``both``: colocated, ``/generate`` does everything in one engine (for comparison).
 
+``POST /export`` (prefill and colocated workers) puts the leading blocks of the given keys that
+this worker's cache holds into the store, for another worker to load: how a router pulls a
+prefix out of one worker's device tier into another's.
+
 ``GET /health`` reports the role, queue, active sequences and the measured prefill throughput
 and store bandwidth (the router's estimates use them). The engine runs on its own thread; the
 HTTP side only queues commands and relays outputs.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -33,7 +38,13 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from engine.hooks import SavedBlocks
+
 log = logging.getLogger("engine.worker")
+
+
+MAX_EXPORT_KEYS = 4096
+_EXPORT_IDS = itertools.count(1)
 
 
 def build_model(spec: str, dtype: str = "float32"):  # noqa: ANN201
@@ -196,6 +207,31 @@ class Worker:
         self.cmds.put(add)
         return await fut
 
+    async def export(self, keys: list[bytes]) -> int:
+        """Puts the leading run of ``keys`` that this worker's cache holds into the store, so that
+        another worker can load it (a pull from this worker's device tier through the store).
+        The blocks are copied out on the engine thread, between steps, and put as a save would
+        be. Returns how many of them the store holds afterwards."""
+        if self.connector is None:
+            return 0
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        rid = -next(_EXPORT_IDS)  # a request id no engine request has
+
+        def go() -> None:
+            try:
+                ids = self.engine.block_manager.cached_run(keys)
+                if ids:
+                    self.connector.save(SavedBlocks(rid, keys[: len(ids)], ids, 0, "export"))
+                loop.call_soon_threadsafe(fut.set_result, len(ids))
+            except Exception as e:  # noqa: BLE001 - handed back to the HTTP side
+                loop.call_soon_threadsafe(fut.set_exception, e)
+
+        self.cmds.put(go)
+        if not await fut:
+            return 0
+        return await asyncio.to_thread(self.connector.wait_saved, rid)
+
     def abort(self, rid: int) -> None:
         def go() -> None:
             if self.engine.abort(rid):
@@ -220,6 +256,7 @@ class Worker:
             if self.reporter is None
             else {
                 "engine_id": self.reporter.engine_id,
+                "synced": self.reporter.synced,
                 "blocks": len(self.reporter.held),
                 "reports": self.reporter.reports,
                 "failures": self.reporter.failures,
@@ -277,6 +314,16 @@ def make_app(worker: Worker) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def export(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            keys = [bytes.fromhex(k) for k in body["keys"]]
+            if not 0 < len(keys) <= MAX_EXPORT_KEYS or any(len(k) != 16 for k in keys):
+                raise ValueError(f"keys: 1 to {MAX_EXPORT_KEYS} block keys of 16 bytes (hex)")
+        except (ValueError, KeyError, TypeError) as e:
+            return web.json_response({"error": f"bad export request: {e}"}, status=400)
+        return web.json_response({"exported": await worker.export(keys)})
+
     async def generate(request: web.Request) -> web.StreamResponse:
         return await stream(request, await request.json(), prefill=False)
 
@@ -292,6 +339,7 @@ def make_app(worker: Worker) -> web.Application:
         app.router.add_post("/generate", generate)
     if worker.role in ("prefill", "both"):
         app.router.add_post("/prefill", prefill)
+        app.router.add_post("/export", export)
     return app
 
 
@@ -334,13 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(ns.role, engine, connector)
 
     async def serve() -> None:
-        runner = web.AppRunner(make_app(worker), access_log=None)
+        # A short drain on SIGTERM: the router has stopped sending by then.
+        runner = web.AppRunner(make_app(worker), access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, ns.host, ns.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         url = f"http://{ns.host}:{port}"
-        if client is not None and not ns.no_device_tier and ns.role != "decode":
+        if client is not None and not ns.no_device_tier and not ns.no_prefix_cache and ns.role != "decode":
             from engine.device_tier import CacheReporter
 
             # Before the first request: every block the cache takes from here on is reported.

@@ -47,6 +47,9 @@ class MetaConfig:
     # its last report unless it names another time to live; at most this many engines.
     engine_ttl_s: float = 3.0
     max_engines: int = 1024
+    # Engines one tenant may report, and keys one engine's holdings may count.
+    max_engines_per_tenant: int = 64
+    max_engine_blocks: int = 1 << 20
     # Sign a capability ticket for every placement handed out, so that daemons serve a data-port
     # entry only to whom the service gave it (kvstore.tickets); false: daemons check none.
     data_tickets: bool = True
@@ -322,7 +325,8 @@ def validate(cfg: Config) -> None:
     m, d = cfg.meta, cfg.daemon
     for key in ("max_batch_keys", "max_block_bytes", "put_timeout_s", "lease_ttl_s", "daemon_ttl_s",
                 "heartbeat_interval_s", "sweep_interval_s", "tier_interval_s", "move_batch_bytes",
-                "daemon_rpc_timeout_s", "engine_ttl_s", "max_engines"):  # fmt: skip
+                "daemon_rpc_timeout_s", "engine_ttl_s", "max_engines", "max_engines_per_tenant",
+                "max_engine_blocks"):  # fmt: skip
         positive("meta", key)
     if m.engine_ttl_s > 60:
         raise InvalidArgument(f"meta.engine_ttl_s: at most 60 s, got {m.engine_ttl_s}")

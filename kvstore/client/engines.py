@@ -43,6 +43,12 @@ class TierLookup:
     keys: int
     tiers: bytes
     engines: dict[str, EngineHolding] = field(default_factory=dict)
+    per_tier: bool = True  # False: only the store's leading hit is known (stored_only)
+
+    @classmethod
+    def stored_only(cls, keys: int, stored: int) -> TierLookup:
+        """What a plain lookup tells: the leading run stored, no tiers, no engines."""
+        return cls(keys, bytes([DRAM_BIT] * stored + [0] * (keys - stored)), {}, per_tier=False)
 
     @property
     def stored(self) -> int:

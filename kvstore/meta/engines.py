@@ -5,15 +5,17 @@ blocks its cache took and dropped, as vLLM's and Dynamo's KV events do. The inde
 key, the engines that hold it, so that a lookup can say which engine holds how much of a prefix
 on its device, next to what the store holds in DRAM and on SSD, and a router can send a request
 where its prefix already is. These are not replicas the store can read: the bytes live in the
-engine; an engine that wants another's block asks that engine to put it into the store.
+engine; to move a block to another engine, a router asks its holder to put it into the store
+(the engine worker's ``POST /export``), and the other engine loads it from there.
 
 Liveness: every report carries a time to live; an engine that stops reporting (killed, hung,
 cut off) loses all its holdings when it passes, and one that leaves on purpose drops them at
 once. A report with ``reset`` replaces everything the engine reported before (its first report
 after a start, so a restarted engine never keeps its predecessor's holdings).
 
-Bounds: at most ``max_engines`` engines and ``max_blocks`` keys per engine; keys beyond are not
-recorded (counted), never an error, since losing a hint costs a recomputation, not data.
+Bounds: at most ``max_engines`` engines (``max_per_owner`` per tenant) and ``max_blocks`` keys
+per engine; keys beyond are not recorded (counted), never an error, since losing a hint costs a
+recomputation, not data.
 
 Pure state, time from the index's clock, like the rest of :mod:`kvstore.meta`.
 """
@@ -31,14 +33,21 @@ class Engine:
     engine_id: str
     url: str
     deadline: float
+    owner: str = ""  # the tenant that reports it ("" without credentials)
     keys: set[bytes] = field(default_factory=set)
 
 
 class EngineTier:
-    def __init__(self, max_engines: int = 1024, max_blocks: int = 1 << 22, max_ttl_s: float = 60.0) -> None:
+    def __init__(
+        self, max_engines: int = 1024, max_blocks: int = 1 << 20, max_ttl_s: float = 60.0, max_per_owner: int = 0
+    ) -> None:
         self.max_engines = max_engines
         self.max_blocks = max_blocks
         self.max_ttl_s = max_ttl_s
+        # Engines one tenant may report (0: no bound beyond max_engines), so that one tenant
+        # cannot take every slot.
+        self.max_per_owner = max_per_owner
+        self.per_owner: dict[str, int] = {}
         self.engines: dict[str, Engine] = {}
         self.holders: dict[bytes, set[str]] = {}
         self.counters = {"engine_reports": 0, "engine_keys_dropped": 0, "engines_expired": 0, "engines_left": 0}
@@ -56,9 +65,10 @@ class EngineTier:
         ttl_s: float,
         now: float,
         leave: bool = False,
+        owner: str = "",
     ) -> int:
         """Applies one batch of an engine's events; returns how many keys it now holds."""
-        if not engine_id or len(engine_id) > 256:
+        if not engine_id or len(engine_id) > 512:
             raise InvalidArgument("engine_id: 1 to 256 characters")
         if len(url) > 1024:
             raise InvalidArgument("url: at most 1024 characters")
@@ -73,7 +83,14 @@ class EngineTier:
         if e is None:
             if len(self.engines) >= self.max_engines:
                 raise ResourceExhausted(f"{len(self.engines)} engines report already, the limit of {self.max_engines}")
-            e = self.engines[engine_id] = Engine(engine_id, url, now + ttl_s)
+            mine = self.per_owner.get(owner, 0)
+            if self.max_per_owner and owner and mine >= self.max_per_owner:
+                raise ResourceExhausted(
+                    f"{mine} engines of {owner or 'this caller'} report already, the limit of {self.max_per_owner} "
+                    "(meta.max_engines_per_tenant)"
+                )
+            e = self.engines[engine_id] = Engine(engine_id, url, now + ttl_s, owner)
+            self.per_owner[owner] = mine + 1
         elif reset:
             self._forget(e, list(e.keys))
         self.counters["engine_reports"] += 1
@@ -104,6 +121,11 @@ class EngineTier:
         e = self.engines.pop(engine_id, None)
         if e is None:
             return 0
+        left = self.per_owner[e.owner] - 1
+        if left:
+            self.per_owner[e.owner] = left
+        else:
+            del self.per_owner[e.owner]
         n = len(e.keys)
         self._forget(e, list(e.keys))
         return n
@@ -139,6 +161,10 @@ class EngineTier:
             n += len(e.keys)
         assert sum(len(w) for w in self.holders.values()) == n, "holder sets disagree with engines' keys"
         assert all(self.holders.values()), "an empty holder set is kept"
+        owners: dict[str, int] = {}
+        for e in self.engines.values():
+            owners[e.owner] = owners.get(e.owner, 0) + 1
+        assert owners == self.per_owner, f"engines per owner {self.per_owner} != {owners}"
 
 
 class DeviceTier:
@@ -169,10 +195,11 @@ class DeviceTier:
         reset: bool = False,
         ttl_s: float = 0.0,
         leave: bool = False,
+        owner: str = "",
     ) -> int:
         """An engine's batch of cache events (:mod:`kvstore.meta.engines`); returns how many
         keys it holds now. Validates everything before changing anything."""
         ttl = self._timeout(ttl_s, self.limits.engine_ttl_s, self.limits.max_engine_ttl_s, "engine ttl")
         add = self._keys(added, "added") if added else []
         drop = self._keys(removed, "removed") if removed else []
-        return self.engine_tier.report(engine_id, url, add, drop, reset, ttl, self.clock.now(), leave)
+        return self.engine_tier.report(engine_id, url, add, drop, reset, ttl, self.clock.now(), leave, owner)

@@ -272,7 +272,8 @@ class IndexLimits:
     engine_ttl_s: float = 3.0
     max_engine_ttl_s: float = 60.0
     max_engines: int = 1024
-    max_engine_blocks: int = 1 << 22
+    max_engines_per_tenant: int = 64
+    max_engine_blocks: int = 1 << 20
     # In a sharded cluster (kvstore.cluster): this index is shard `shard` of `shards`, and
     # allocates only in its arena of each segment (kvstore.cluster.slots.arena).
     shard: int = 0

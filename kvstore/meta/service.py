@@ -94,6 +94,8 @@ class MetaServer:
             cache_policy=cfg.cache_policy,
             engine_ttl_s=cfg.engine_ttl_s,
             max_engines=cfg.max_engines,
+            max_engines_per_tenant=cfg.max_engines_per_tenant,
+            max_engine_blocks=cfg.max_engine_blocks,
             shard=self.shard,
             shards=self.shards,
         )

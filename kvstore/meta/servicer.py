@@ -29,6 +29,19 @@ from kvstore.meta.index import (
 from kvstore.v1 import meta_pb2
 from kvstore.wire import U8, U32, U64, daemon_to_pb, locations_to_pb, pack, unpack
 
+# A per-tier lookup names at most this many engines (those holding the longest prefixes).
+MAX_ENGINES_ANSWERED = 64
+
+
+def _leading(flags: bytearray) -> int:
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
 log = logging.getLogger("kvstore.meta")
 
 _TIERS = {int(t) for t in Tier}
@@ -254,18 +267,20 @@ class MetaServicer:
         if request.per_tier:
             tiers, engines = self.index.tiers(keys)
             resp.tiers = tiers
-            mine = f"{ident.name}:" if self.authority is not None else ""
-            for eid, (url, held) in engines.items():
-                if eid.startswith(mine):  # a tenant sees its own engines only
-                    resp.engines.add(engine_id=eid[len(mine) :], url=url, held=bytes(held))
+            mine = f"{ident.name}\0" if self.authority is not None else ""
+            # A tenant sees its own engines only; those that hold the longest prefixes first.
+            ours = [(eid[len(mine) :], url, held) for eid, (url, held) in engines.items() if eid.startswith(mine)]
+            ours.sort(key=lambda e: -_leading(e[2]))
+            for eid, url, held in ours[:MAX_ENGINES_ANSWERED]:
+                resp.engines.add(engine_id=eid, url=url, held=bytes(held))
         return resp
 
     def ReportEngineBlocks(self, request, context):
         ident = self._who(context, "tenant", "admin")
-        if not request.engine_id:
-            raise InvalidArgument("engine_id must not be empty")
+        if not request.engine_id or len(request.engine_id) > 256 or "\0" in request.engine_id:
+            raise InvalidArgument("engine_id: 1 to 256 characters, without NUL")
         # Engines are named within their tenant, and report that tenant's keys.
-        eid = f"{ident.name}:{request.engine_id}" if self.authority is not None else request.engine_id
+        eid = f"{ident.name}\0{request.engine_id}" if self.authority is not None else request.engine_id
         held = self.index.report_engine(
             eid,
             request.url,
@@ -274,6 +289,7 @@ class MetaServicer:
             reset=request.reset,
             ttl_s=request.ttl_ms / 1000.0,
             leave=request.leave,
+            owner=ident.name if self.authority is not None else "",
         )
         ttl = request.ttl_ms or int(self.index.limits.engine_ttl_s * 1000)
         return meta_pb2.ReportEngineBlocksResponse(held=held, ttl_ms=ttl)

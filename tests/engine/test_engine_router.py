@@ -137,3 +137,31 @@ def test_least_loaded_ignores_caches():
     r.store = FakeStore(keys, stored=0, devices={"http://p1": 50})
     r.workers[1].queued_tokens = 100
     assert choose(r, keys, 800)[0] is r.workers[0]
+
+
+def test_a_prefix_on_a_busy_peers_device_is_pulled_through_the_store():
+    r = reporting(make())
+    keys = KS.block_keys(list(range(800)))
+    r.store = FakeStore(keys, stored=0, devices={"http://p1": 40})
+    r.workers[1].queued_tokens = 5000  # p1 holds the prefix but has five seconds of work queued
+    c = asyncio.run(r.plan_prefill(keys, 800))
+    assert c.worker is r.workers[0] and c.pull_from is r.workers[1] and c.pull_blocks == 40
+    assert c.cost == 800 - 40 * 16
+    # Idle, the holder computes it itself; and without cache awareness nothing is pulled.
+    r.workers[1].queued_tokens = 0
+    c = asyncio.run(r.plan_prefill(keys, 800))
+    assert c.worker is r.workers[1] and c.pull_from is None
+    rr = reporting(make(routing="round_robin"))
+    rr.store = FakeStore(keys, stored=0, devices={"http://p1": 40})
+    assert all(asyncio.run(rr.plan_prefill(keys, 800)).pull_from is None for _ in range(2))
+
+
+def test_what_the_router_just_sent_counts_until_the_report_lands():
+    r = reporting(make())
+    keys = KS.block_keys(list(range(800)))
+    r.store = FakeStore(keys, stored=0, devices={})  # p1's report of these has not landed yet
+    r.workers[1].remember(keys[:20], 1000)
+    w, _, cost = choose(r, keys, 800)
+    assert w is r.workers[1] and cost == 800 - 20 * 16
+    r.workers[1].health["device_tier"]["synced"] = False  # its reports fail: what was sent counts
+    assert choose(r, keys, 800)[0] is r.workers[1]

@@ -313,3 +313,43 @@ async def _complete_on(session, url: str, ids: list[int]) -> None:  # noqa: ANN0
     async with session.post(url + "/generate", json=body) as resp:
         async for _ in resp.content:
             pass
+
+
+def test_a_worker_pulls_a_prefix_another_holds_on_device_and_the_tokens_are_the_same(reference):
+    """The prefix is only in worker A's cache (removed from the store); A is busy, so the
+    router has A export it to the store and B load it: B computes only the tail, and the greedy
+    tokens equal a store-less run."""
+    import time
+
+    from kvstore import SyncKVStoreClient
+
+    r = Running(DeploymentSpec(model="tiny", colocated=2, store="embedded"))
+    try:
+        router = r.d.router
+        ids = prompt_ids(8 * BS + 3, seed=41)
+        keys = router.keyspace.block_keys(ids)
+        _, first = r.complete(ids, max_tokens=2, ignore_eos=True)
+        holder = next(w for w in router.workers if w.url == first["prefill_worker"])
+        other = next(w for w in router.workers if w is not holder)
+        with SyncKVStoreClient(r.d.store_addr) as c:
+            deadline = time.monotonic() + 10
+            while c.lookup_tiers(keys).device(holder.url) < len(keys):
+                assert time.monotonic() < deadline, "the holder's blocks never reached the index"
+                time.sleep(0.1)
+            c.remove(keys)
+            assert c.lookup(keys) == 0
+        while not holder.reports_device_tier:  # the router's view of its health: reports taken
+            assert time.monotonic() < deadline, "the router never saw the holder's reports taken"
+            time.sleep(0.1)
+        holder.queued_tokens += 10**7  # busy: the router will not queue more on it
+        try:
+            q = ids + [1, 2, 3]
+            _, info = r.complete(q, max_tokens=6, ignore_eos=True)
+        finally:
+            holder.queued_tokens -= 10**7
+        assert info["prefill_worker"] == other.url and info["pulled_from"] == holder.url
+        assert info["pulled_blocks"] == len(keys)
+        assert info["tokens_loaded"] == len(keys) * BS and info["tokens_computed"] == len(q) - len(keys) * BS
+        assert info["output_ids"] == reference(q, 6)
+    finally:
+        r.close()

@@ -58,8 +58,11 @@ def test_a_silent_engine_loses_its_holdings_when_its_time_passes(store):
     "kw, match",
     [
         (dict(engine_id=""), "engine_id"),
+        (dict(engine_id="a\0b"), "NUL"),
+        (dict(engine_id="w" * 300), "256"),
         (dict(engine_id="w", ttl_s=3600.0), "over the limit"),
         (dict(engine_id="w", added=[b"short"]), "16"),
+        (dict(engine_id="w", added=[b"k" * 16] * 20_000), "over the limit"),
     ],
 )
 def test_bad_reports_get_invalid_argument(store, kw, match):

@@ -79,18 +79,28 @@ def test_tiers_name_the_store_tier_of_each_ready_replica():
         (dict(engine_id="w", url="u", added=pk(0), ttl_s=61.0), "over the limit"),
         (dict(engine_id="w", url="u", added=pk(0), ttl_s=float("nan")), "finite"),
         (dict(engine_id="w", url="u", added=pk(0), ttl_s=-1.0), "negative"),
-        (dict(engine_id="w" * 300, url="u", added=pk(0)), "engine_id"),
+        (dict(engine_id="w" * 600, url="u", added=pk(0)), "engine_id"),
         (dict(engine_id="w", url="u" * 2000, added=pk(0)), "url"),
     ],
 )
 def test_bad_reports_are_refused_and_change_nothing(call, match):
     idx, _ = make()
     idx.report_engine("w", "u", pk(7), b"", reset=True)
-    before = (dict(idx.engine_tier.holders), {e: set(r.keys) for e, r in idx.engine_tier.engines.items()})
-    with pytest.raises(InvalidArgument, match=match):
-        idx.report_engine(call["engine_id"], call["url"], call["added"], b"", ttl_s=call.get("ttl_s", 0.0))
-    after = (dict(idx.engine_tier.holders), {e: set(r.keys) for e, r in idx.engine_tier.engines.items()})
-    assert before == after
+
+    def state():  # noqa: ANN202
+        t = idx.engine_tier
+        return (
+            {k: set(v) for k, v in t.holders.items()},
+            {e: (set(r.keys), r.url, r.deadline) for e, r in t.engines.items()},
+        )
+
+    before = state()
+    for reset in (False, True):
+        with pytest.raises(InvalidArgument, match=match):
+            idx.report_engine(
+                call["engine_id"], call["url"], call["added"], b"", reset=reset, ttl_s=call.get("ttl_s", 0.0)
+            )
+        assert state() == before
 
 
 def test_engines_and_keys_per_engine_are_bounded():
@@ -135,3 +145,17 @@ def test_random_event_streams_keep_the_holders_exact():
     for e, (keys, _) in model.items():
         row = held.get(e, ("", bytearray(40)))[1]
         assert {k(i) for i in range(40) if row[i]} == keys
+
+
+def test_one_tenant_cannot_take_every_engine_slot():
+    tier = EngineTier(max_engines=10, max_per_owner=2)
+    tier.report("a\0w1", "", [], [], False, 1.0, 0.0, owner="a")
+    tier.report("a\0w2", "", [], [], False, 1.0, 0.0, owner="a")
+    with pytest.raises(ResourceExhausted, match="max_engines_per_tenant"):
+        tier.report("a\0w3", "", [], [], False, 1.0, 0.0, owner="a")
+    tier.report("b\0w1", "", [], [], False, 1.0, 0.0, owner="b")  # another tenant still can
+    tier.report("a\0w1", "", [], [], False, 1.0, 0.0, leave=True, owner="a")
+    tier.report("a\0w3", "", [], [], False, 1.0, 0.0, owner="a")  # a slot freed by leaving
+    for i in range(5):  # without credentials (owner ""), only max_engines bounds
+        tier.report(f"open{i}", "", [], [], False, 1.0, 0.0)
+    tier.check_integrity()
