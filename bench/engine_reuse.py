@@ -20,6 +20,13 @@ processes, router) driven over HTTP. Three parts, one run:
    each with the cache-aware router and with round-robin.
 3. **Sessions**: how many concurrent multi-turn sessions stay under the TTFT target at p95,
    with kvstore vs without any cache.
+4. **Placement** (``bench/engine_placement.py``): goodput on a skewed many-prefix workload that
+   no single cache holds, cache-aware routing on the device tier vs round-robin vs
+   least-loaded, and the device-tier hit share.
+
+The no-cache baseline is one colocated worker without a store; the disaggregated deployment
+without a store (whose decode worker recomputes the whole prompt) is reported beside it,
+labelled as such.
 
 Writes bench/results/engine.json, PNG plots (TTFT CDF, goodput vs rate) and the "engine"
 section of bench/RESULTS.md.
@@ -42,6 +49,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.engine_placement import part_placement  # noqa: E402
+from bench.engine_placement import render as placement_render  # noqa: E402
 from bench.report import machine, update_section  # noqa: E402
 from bench.workloads import make  # noqa: E402
 from engine.router import RouterConfig  # noqa: E402
@@ -114,7 +123,11 @@ def summarize(rows: list[dict]) -> dict:
 
 
 REUSE_CONFIGS = {
-    "no cache": dict(store="none", prefix_cache=False),
+    # The baseline: one worker doing both phases, no store, no prefix cache.
+    "no cache": dict(store="none", prefix_cache=False, colocated=1),
+    # Kept for comparison, labelled: without a store the decode worker recomputes the whole
+    # prompt the prefill worker already computed.
+    "no cache, disaggregated (decode recomputes the prompt)": dict(store="none", prefix_cache=False),
     "local prefix cache": dict(store="none", prefix_cache=True),
     "kvstore DRAM": dict(store="embedded", prefix_cache=False),
     "kvstore DRAM+SSD": dict(
@@ -127,7 +140,7 @@ async def part_reuse_and_sessions(quick: bool) -> tuple[dict, dict]:
     """Reuse vs recompute for every configuration; the sessions sweep in the no-cache and the
     kvstore DRAM deployments (the same processes, fresh prompts)."""
     reqs = chat_requests(quick)
-    names = ["no cache", "kvstore DRAM"] if quick else list(REUSE_CONFIGS)
+    names = ["no cache", "kvstore DRAM"] if quick else list(REUSE_CONFIGS)  # no cache first: it sets the targets
     res: dict = {"workload": f"chat, {len(reqs)} requests in arrival order, one at a time", "configs": {}}
     sessions: dict = {"counts": [1, 2, 4] if quick else [1, 2, 4, 6, 8], "turns": 3 if quick else 4, "configs": {}}
     rows_by: dict[str, list[dict]] = {}
@@ -336,6 +349,8 @@ def render(r: dict, pngs: list[str]) -> str:
               "|---|" + "---|" * (len(se["counts"]) + 1)]  # fmt: skip
     for name, c in se["configs"].items():
         lines.append(f"| {name} | " + " | ".join(f"{p} ms" for p in c["p95_ttft_ms"]) + f" | **{c['max_sessions']}** |")
+    if r.get("placement"):
+        lines += placement_render(r["placement"])
     lines += [""] + [f"![{p}](results/{p})" for p in pngs]
     return "\n".join(lines)
 
@@ -345,12 +360,24 @@ async def amain(quick: bool) -> dict:
     r: dict = {"command": cmd, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine()}
     r["reuse"], r["sessions"] = await part_reuse_and_sessions(quick)
     r["goodput"] = await part_goodput(quick, ttft_target(r["reuse"]), TPOT_TARGET_S)
+    r["placement"] = await part_placement(quick, ttft_target(r["reuse"]), TPOT_TARGET_S)
     r["ttft_over_bound"] = r["reuse"]["ttft_over_bound"]
+    r["goodput_cache_aware_over_rr"] = r["placement"]["goodput_cache_aware_over_rr"]
     return r
 
 
-def run(quick: bool, report: bool = True) -> dict:
-    r = asyncio.run(amain(quick))
+async def amain_placement(quick: bool) -> dict:
+    """Only the placement part, merged into the recorded engine.json (its targets from there)."""
+    r = json.loads((REPO / "bench" / "results" / "engine.json").read_text())
+    r["placement"] = await part_placement(quick, ttft_target(r["reuse"]), TPOT_TARGET_S)
+    r["placement"]["command"] = "python bench/engine_reuse.py --part placement" + (" --quick" if quick else "")
+    r["placement"]["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    r["goodput_cache_aware_over_rr"] = r["placement"]["goodput_cache_aware_over_rr"]
+    return r
+
+
+def run(quick: bool, report: bool = True, part: str = "all") -> dict:
+    r = asyncio.run(amain_placement(quick) if part == "placement" else amain(quick))
     out = REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(r, indent=2) + "\n")
@@ -365,6 +392,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--render-only", action="store_true", help="rebuild plots and the report from engine.json")
+    ap.add_argument(
+        "--part",
+        choices=("all", "placement"),
+        default="all",
+        help="placement: run only that part, merged into engine.json",
+    )
     ns = ap.parse_args()
     if ns.render_only:
         out = REPO / "bench" / "results"
@@ -374,9 +407,10 @@ def main() -> int:
         (out / "engine.json").write_text(json.dumps(r, indent=2) + "\n")
         update_section("engine", render(r, plot(r, out)))
     else:
-        r = run(ns.quick, not ns.no_report)
+        r = run(ns.quick, not ns.no_report, ns.part)
     print(json.dumps({"ttft_over_bound": r["ttft_over_bound"],
-                      "goodput": {k: v["goodput_rps"] for k, v in r["goodput"]["configs"].items()}}))  # fmt: skip
+                      "goodput": {k: v["goodput_rps"] for k, v in r["goodput"]["configs"].items()},
+                      "goodput_cache_aware_over_rr": r.get("goodput_cache_aware_over_rr")}))  # fmt: skip
     return 0
 
 
