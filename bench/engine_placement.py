@@ -5,8 +5,8 @@ Part of ``bench/engine_reuse.py`` (its ``placement`` section; ``--part placement
 alone). Three colocated workers of the ``small`` model; ``PREFIXES`` distinct 384-token prefixes
 (a few-shot or system prompt each) drawn with Zipf(1) popularity, each request one of them plus a
 16-32 token question, 8 output tokens. Each worker's paged cache holds about four prefixes and
-the store's DRAM about two, so no single cache holds the working set, while the workers' caches
-together do: where a prefix is matters, and only the device tier says where. Routings compared,
+the store's DRAM about two, so no single cache holds the working set, and the workers' caches
+together hold about half of it: where a prefix is matters, and only the device tier says where. Routings compared,
 each on its own fresh deployment (same processes, same requests, rates in increasing order):
 cache-aware (the device tier, pulls), round-robin and least-loaded with the same store; and,
 labelled as what they are, the same three workers without a store (each its own prefix cache,
@@ -97,6 +97,7 @@ def render(p: dict) -> list[str]:
         "",
         f"### Placement ({p['workload']}; targets TTFT {p['ttft_target_ms']:.0f} ms, TPOT {p['tpot_target_ms']:.0f} ms)",
         "",
+        *([f"Run alone: `{p['command']}`, {p['date']}.", ""] if p.get("command") else []),
         "Each configuration on its own fresh deployment, rates in increasing order on the same processes."
         " Device-tier hits are prompt tokens found in the serving worker's own cache; store hits were loaded"
         " from the store; pulls: requests whose prefix the router had a busy holder export to the store first.",

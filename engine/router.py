@@ -241,6 +241,13 @@ class Router:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 if w.alive:
                     log.warning("event=worker_down url=%s", w.url)
+                    if w.health.get("device_tier") and self.store is not None:
+                        # Its cache is gone with it: its holdings leave the index now, not
+                        # when its reports' time to live passes.
+                        try:
+                            await self.store.report_engine_blocks(w.engine_id, w.url, leave=True)
+                        except Exception as e:  # noqa: BLE001 - they lapse anyway
+                            log.info("event=engine_leave_failed url=%s reason=%r", w.url, str(e))
                 w.alive = False
 
         await asyncio.gather(*(one(w) for w in self.workers))
@@ -324,6 +331,15 @@ class Router:
         pool = self._pool("prefill")
         if not pool:
             raise RequestError(503, "no prefill worker is available", "service_unavailable")
+        if len(pool) == 1:
+            # Nothing to choose: the lookup is skipped when even computing the whole prompt
+            # meets the target (the estimate and the queue cost are then the worst case).
+            w = pool[0]
+            bs = self.info["block_size"]
+            worst = max(prompt_len, bs if prompt_len % bs == 0 else prompt_len % bs)
+            est = self._ttft(w, worst, 0)
+            if est <= self.cfg.ttft_target_s:
+                return Choice(w, est, worst)
         tiers = await self._tiers(keys)
         plans = [self.plan(w, keys, prompt_len, tiers, pool) for w in pool]
         if self.cfg.routing == "round_robin":

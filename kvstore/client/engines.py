@@ -73,7 +73,8 @@ class EngineReports:
         cache. No side effects."""
         packed = pack_keys(keys)
         n = len(packed) // KEY_BYTES
-        resp = await self._rpc(self._stub.Lookup, meta_pb2.LookupRequest(keys=packed, per_tier=True))  # type: ignore[attr-defined]
+        # On the lookup stream when there is one (a call's set-up saved), like every lookup.
+        resp = await self._lookup(meta_pb2.LookupRequest(keys=packed, per_tier=True))  # type: ignore[attr-defined]
         tiers = bytes(unpack(resp.tiers, U8, "tiers", n))
         engines = {}
         for e in resp.engines:
