@@ -315,9 +315,9 @@ def main() -> int:
     ap.add_argument("--render-only", action="store_true", help="rebuild plots and the report from engine.json")
     ap.add_argument(
         "--part",
-        choices=("all", "placement"),
+        choices=("all", "reuse", "placement"),
         default="all",
-        help="placement: run only that part, merged into engine.json",
+        help="reuse (with sessions) or placement: run only that part, merged into engine.json",
     )
     ns = ap.parse_args()
     if ns.render_only:
