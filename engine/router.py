@@ -277,13 +277,15 @@ class Router:
     def uncached_tokens(self, w: WorkerRef, keys: list[bytes], prompt_len: int, tiers=None) -> tuple[int, int]:  # noqa: ANN001
         """(tokens the worker must compute, bytes it must load) for this prompt, given where its
         blocks are (``tiers``: the store's per-tier lookup, or None)."""
-        bs = self.info["block_size"]
         local = w.device_hit(keys, tiers)
         stored = tiers.stored if tiers is not None else 0
-        have = max(local, stored) * bs
-        # The last token is always computed, so a fully cached prompt still computes its last block.
-        uncached = max(prompt_len - have, bs if prompt_len % bs == 0 else prompt_len % bs)
-        return uncached, max(0, stored - local) * self.info["block_bytes"]
+        return self._to_compute(prompt_len, max(local, stored)), max(0, stored - local) * self.info["block_bytes"]
+
+    def _to_compute(self, prompt_len: int, held_blocks: int) -> int:
+        """Tokens computed when ``held_blocks`` leading blocks are held. The last token is always
+        computed, so a fully held prompt still computes its last block."""
+        bs = self.info["block_size"]
+        return max(prompt_len - held_blocks * bs, bs if prompt_len % bs == 0 else prompt_len % bs)
 
     def estimate_ttft(self, w: WorkerRef, keys: list[bytes], prompt_len: int, tiers=None) -> float:  # noqa: ANN001
         """Queue ahead (the compute the router already sent it) + own compute + own load."""
@@ -314,8 +316,8 @@ class Router:
         held, peer = max(peers, key=lambda p: p[0], default=(0, None))
         if peer is None or held <= have:
             return best
-        bs, bb = self.info["block_size"], self.info["block_bytes"]
-        pulled = max(prompt_len - held * bs, bs if prompt_len % bs == 0 else prompt_len % bs)
+        bb = self.info["block_bytes"]
+        pulled = self._to_compute(prompt_len, held)
         # The peer copies the blocks out between two of its steps and puts them; w loads them.
         export_s = (held - have) * bb / (peer.health.get("store_effective_bandwidth") or 2e9) + PULL_OVERHEAD_S
         if peer.active:
@@ -335,8 +337,7 @@ class Router:
             # Nothing to choose: the lookup is skipped when even computing the whole prompt
             # meets the target (the estimate and the queue cost are then the worst case).
             w = pool[0]
-            bs = self.info["block_size"]
-            worst = max(prompt_len, bs if prompt_len % bs == 0 else prompt_len % bs)
+            worst = self._to_compute(prompt_len, 0)
             est = self._ttft(w, worst, 0)
             if est <= self.cfg.ttft_target_s:
                 return Choice(w, est, worst)

@@ -28,6 +28,16 @@ def unpack(data: bytes, dtype: np.dtype, what: str, count: int | None = None) ->
     return np.frombuffer(data, dtype=dtype).tolist() if n else []
 
 
+def leading(flags: bytes | bytearray, mask: int = 0xFF) -> int:
+    """Length of the leading run of per-key flag bytes with any bit of ``mask`` set."""
+    n = 0
+    for f in flags:
+        if not f & mask:
+            break
+        n += 1
+    return n
+
+
 def daemon_to_pb(spec) -> pb.DaemonInfo:  # noqa: ANN001 - kvstore.meta.index.DaemonSpec
     return pb.DaemonInfo(
         daemon_id=spec.daemon_id,

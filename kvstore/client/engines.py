@@ -10,19 +10,9 @@ from dataclasses import dataclass, field
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.v1 import meta_pb2
-from kvstore.wire import U8, unpack
+from kvstore.wire import U8, leading, unpack
 
 DRAM_BIT, SSD_BIT = 1, 2
-
-
-def leading(flags: bytes | bytearray, mask: int = 0xFF) -> int:
-    """Length of the leading run of entries with any bit of ``mask`` set."""
-    n = 0
-    for f in flags:
-        if not f & mask:
-            break
-        n += 1
-    return n
 
 
 @dataclass

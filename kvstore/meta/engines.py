@@ -68,8 +68,8 @@ class EngineTier:
         owner: str = "",
     ) -> int:
         """Applies one batch of an engine's events; returns how many keys it now holds."""
-        if not engine_id or len(engine_id) > 512:
-            raise InvalidArgument("engine_id: 1 to 256 characters")
+        if not engine_id or len(engine_id) > 512:  # the service's id: tenant, NUL, the engine's own
+            raise InvalidArgument("engine_id: 1 to 512 characters")
         if len(url) > 1024:
             raise InvalidArgument("url: at most 1024 characters")
         if not 0 < ttl_s <= self.max_ttl_s:

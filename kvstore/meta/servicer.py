@@ -27,19 +27,10 @@ from kvstore.meta.index import (
     Tier,
 )
 from kvstore.v1 import meta_pb2
-from kvstore.wire import U8, U32, U64, daemon_to_pb, locations_to_pb, pack, unpack
+from kvstore.wire import U8, U32, U64, daemon_to_pb, leading, locations_to_pb, pack, unpack
 
 # A per-tier lookup names at most this many engines (those holding the longest prefixes).
 MAX_ENGINES_ANSWERED = 64
-
-
-def _leading(flags: bytearray) -> int:
-    n = 0
-    for f in flags:
-        if not f:
-            break
-        n += 1
-    return n
 
 
 log = logging.getLogger("kvstore.meta")
@@ -270,7 +261,7 @@ class MetaServicer:
             mine = f"{ident.name}\0" if self.authority is not None else ""
             # A tenant sees its own engines only; those that hold the longest prefixes first.
             ours = [(eid[len(mine) :], url, held) for eid, (url, held) in engines.items() if eid.startswith(mine)]
-            ours.sort(key=lambda e: -_leading(e[2]))
+            ours.sort(key=lambda e: -leading(e[2]))
             for eid, url, held in ours[:MAX_ENGINES_ANSWERED]:
                 resp.engines.add(engine_id=eid, url=url, held=bytes(held))
         return resp
