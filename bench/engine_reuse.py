@@ -12,8 +12,10 @@ processes, router) driven over HTTP. Three parts, one run:
    prefix cache only; kvstore DRAM (local caches off, so all reuse goes through the store);
    kvstore DRAM + SSD (a DRAM segment too small for the working set). TTFT p50/p99, TPOT, and
    ``ttft_over_bound`` = TTFT with reuse / (compute time of the uncached tokens + cached bytes /
-   measured store bandwidth), with compute speed measured by the no-cache run and bandwidth by
-   the workers (target <= 1.25).
+   measured store bandwidth), with the compute time measured by the same engine on each
+   request's uncached tokens after its cached prefix and the bandwidth by the workers (target
+   <= 1.25); ``bench/engine_bound.py`` says how, and why the flat estimate (no-cache tokens per
+   second) is reported beside it.
 2. **Goodput** on a shared few-shot prefix workload, open-loop Poisson arrivals at increasing
    rates: the highest rate at which 90 % of requests meet both the TTFT and the TPOT target
    (DistServe's definition), for disaggregated (2 prefill + 1 decode) vs colocated (3 workers),
@@ -49,6 +51,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.engine_bound import ttft_over_bound  # noqa: E402
 from bench.engine_placement import part_placement  # noqa: E402
 from bench.engine_report import plot, render  # noqa: E402
 from bench.report import machine, update_section  # noqa: E402
@@ -157,24 +160,14 @@ async def part_reuse_and_sessions(quick: bool) -> tuple[dict, dict]:
                 sessions["ttft_target_ms"] = ttft_target(res) * 1000
             if name in ("no cache", "kvstore DRAM"):
                 sessions["configs"][name] = await sessions_sweep(d.url, sessions, name)
-    # Compute speed from the no-cache run: prompt tokens / TTFT (prefill is nearly all of it).
+    # The flat compute speed from the no-cache run: prompt tokens / TTFT (prefill is nearly all of it).
     base = [r for r in rows_by["no cache"] if r["status"] == 200]
     tps = statistics.median(r["prompt"] / (r["ttft_ms"] / 1000) for r in base)
     prefill = next(h for h in res["store_health"] if h.get("role") == "prefill")
     bw = prefill.get("store_effective_bandwidth") or float("nan")  # round trips included
-    block_bytes = prefill["block_bytes"]
-    ratios, num, den = [], 0.0, 0.0
-    for r in rows_by["kvstore DRAM"]:
-        if r["status"] != 200:
-            continue
-        bound = r["tokens_computed"] / tps + (r["tokens_loaded"] // 16) * block_bytes / bw
-        ratios.append(r["ttft_ms"] / 1000 / bound)
-        num += r["ttft_ms"] / 1000
-        den += bound
     res["compute_tokens_per_s"] = round(tps, 1)
     res["store_bandwidth_gbps"] = round(bw / 1e9, 3)
-    res["ttft_over_bound"] = round(num / den, 3)
-    res["ttft_over_bound_p50"] = round(statistics.median(ratios), 3)
+    res.update(ttft_over_bound(rows_by["kvstore DRAM"], [ids for _, ids, _ in reqs], tps, bw, prefill["block_bytes"]))
     return res, sessions
 
 

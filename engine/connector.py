@@ -156,7 +156,7 @@ class StoreConnector:
             self.stats.tokens_loaded += got * bs
             self.stats.load_bytes += nbytes
             self.stats.load_seconds += dt
-        self.stats.per_request[req.request_id] = got * bs
+        self.stats.per_request[req.request_id] = (got * bs, dt)
         return (first + got) * bs
 
     def _load_staged(self, keys: list[bytes], block_ids: list[int]) -> int:
@@ -238,7 +238,11 @@ class StoreConnector:
         return total
 
     def loaded_tokens(self, request_id: int) -> int:
-        return self.stats.per_request.pop(request_id, 0)
+        return self.take_load(request_id)[0]
+
+    def take_load(self, request_id: int) -> tuple[int, float]:
+        """(tokens loaded, seconds the load took) for a request, forgotten afterwards."""
+        return self.stats.per_request.pop(request_id, (0, 0.0))
 
     def close(self) -> None:
         self._saver.shutdown(wait=True)

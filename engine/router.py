@@ -474,7 +474,9 @@ class Router:
                     elif msg["type"] == "done":
                         finish = msg["finish_reason"]
                         info.update(tokens_loaded=msg["loaded_tokens"], tokens_cached=msg["cached_tokens"],
-                                    tokens_computed=msg["computed_tokens"])  # fmt: skip
+                                    tokens_computed=msg["computed_tokens"],
+                                    worker_ttft_ms=round(msg["ttft_s"] * 1000, 3),
+                                    load_ms=round(msg.get("load_s", 0.0) * 1000, 3))  # fmt: skip
                     elif msg["type"] == "error":
                         raise RequestError(502, f"prefill worker {pw.url} failed: {msg['message']}", "server_error")
             pw.remember(keys, self.cfg.recent_keys_per_worker)

@@ -148,7 +148,7 @@ class Worker:
             self._emit(job, {"type": "token", "ids": new})
         if o.finished:
             cached = self.cached.pop(o.request_id, 0)
-            loaded = self.connector.loaded_tokens(o.request_id) if self.connector is not None else 0
+            loaded, load_s = self.connector.take_load(o.request_id) if self.connector is not None else (0, 0.0)
             n_out = len(o.output_ids)
             first = (job.t_first or now) - job.t0
             self._emit(
@@ -162,6 +162,7 @@ class Worker:
                     "loaded_tokens": loaded,
                     "computed_tokens": job.prompt_len - cached - loaded,
                     "ttft_s": first,
+                    "load_s": load_s,
                     "tpot_s": (now - (job.t_first or now)) / max(1, n_out - 1),
                 },
             )

@@ -91,6 +91,9 @@ def test_prompt_that_fully_hits_the_store(disagg, reference):
     assert again["prefill_worker"] != first["prefill_worker"]
     # All full blocks but the last (whose last token must be computed to get logits) came from the store.
     assert again["tokens_loaded"] == 3 * BS and again["tokens_computed"] == BS
+    # The worker reports its own TTFT and the load inside it; the router's TTFT includes both.
+    assert 0 < again["load_ms"] <= again["worker_ttft_ms"] <= again["ttft_ms"]
+    assert first["tokens_loaded"] == 0 and first["load_ms"] >= 0  # a load that found nothing: a miss
     assert again["output_ids"] == first["output_ids"] == reference(ids, 6)
 
 
