@@ -72,6 +72,10 @@ class MetaConfig:
     # `kvstore serve` exposes the service's and its daemon's metrics on this one port.
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
+    # The lookup port (kvstore.meta.lookup_port): plain lookups without gRPC, on the host of
+    # meta.listen. -1 = off, 0 = any free port (advertised in lookup answers). It carries no
+    # identity, so a service with TLS or tenants never serves it.
+    lookup_port: int = 0
 
 
 @dataclass
@@ -150,6 +154,9 @@ class ClientConfig:
     # Block locations remembered for reads without the metadata service (kvstore.client.locations);
     # 0 turns those reads off (every get takes a lease).
     location_cache: int = 65536
+    # Ask lookups on the service's lookup port when it offers one (kvstore.meta.lookup_port),
+    # from the synchronous client's calling thread; false: always over gRPC.
+    lookup_port: bool = True
 
 
 @dataclass
@@ -357,6 +364,12 @@ def validate(cfg: Config) -> None:
         v = getattr(d, key)
         if not 0 <= v <= 65535:
             raise InvalidArgument(f"daemon.{key}: must be a port number in [0, 65535], got {v}")
+    if not -1 <= m.lookup_port <= 65535:
+        raise InvalidArgument(f"meta.lookup_port: must be -1 (off), 0 (any) or a port number, got {m.lookup_port}")
+    if m.lookup_port > 0 and (cfg.tls.enabled or m.auth_file):
+        raise InvalidArgument(
+            "meta.lookup_port: the lookup port carries no identity and is never served with TLS or tenants; set -1"
+        )
     for section in ("meta", "daemon"):
         v = getattr(cfg, section).metrics_port
         if not -1 <= v <= 65535:

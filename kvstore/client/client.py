@@ -38,6 +38,7 @@ import grpc
 from kvstore.client.buffers import INLINE_COPY_BYTES
 from kvstore.client.engines import EngineReports, TierLookup  # noqa: F401 - TierLookup is part of the API
 from kvstore.client.locations import LocationCache
+from kvstore.client.lookup_port import AsyncLookupPort, LookupPortClient, PortDown
 from kvstore.client.reads import Reads
 from kvstore.client.shards import ShardedMeta, cluster_url
 from kvstore.client.streams import LookupStream
@@ -59,6 +60,7 @@ log = logging.getLogger("kvstore.client")
 PRUNE_S = 30.0
 # Lookups of up to this many keys go on the lookup stream (kvstore.client.streams).
 _STREAM_MAX_KEYS = 4096
+_PORT_RETRY_S = 5.0  # after the lookup port failed, lookups stay on gRPC this long
 
 
 class KVStoreClient(Reads, Writes, EngineReports):
@@ -85,6 +87,14 @@ class KVStoreClient(Reads, Writes, EngineReports):
             self._lookups = LookupStream(
                 self._stub, lambda req: self._rpc(self._stub.Lookup, req), self.cfg.rpc_timeout_s
             )
+        self._tls_on = tls is not None and tls.enabled
+        self.lookup_port: LookupPortClient | None = None  # the service's lookup port, once advertised
+        self._aport: AsyncLookupPort | None = None  # the same, for calls on this event loop
+        try:
+            self._home: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._home = None
+        self._port_retry_at = 0.0
         self._shm = ShmTransport()
         self._tcp = TcpTransport(
             self.cfg.io_timeout_s,
@@ -136,6 +146,10 @@ class KVStoreClient(Reads, Writes, EngineReports):
         await self._send_touches()  # what waits for its delay goes now
         if self._lookups is not None:
             await self._lookups.close()
+        if self.lookup_port is not None:
+            self.lookup_port.close()
+        if self._aport is not None:
+            self._aport.close()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._channel is not None:
@@ -170,9 +184,51 @@ class KVStoreClient(Reads, Writes, EngineReports):
         """On the lookup stream; an empty or very large batch as a unary call, so that its error
         (or its size) is its own and not the stream's."""
         n = len(request.keys) // KEY_BYTES
+        port = self._aport
+        if port is not None and not (request.per_tier or request.with_locations) and port.usable(n):
+            try:
+                hit, exists = await port.ask(request.keys, request.per_key)
+                return meta_pb2.LookupResponse(hit_count=hit, exists=exists)
+            except PortDown as e:
+                self.lookup_port_failed(str(e))
         if n == 0 or n > _STREAM_MAX_KEYS or self._lookups is None:
-            return await self._rpc(self._stub.Lookup, request)
-        return await self._lookups.ask(request)
+            resp = await self._rpc(self._stub.Lookup, request)
+        else:
+            resp = await self._lookups.ask(request)
+        if resp.lookup_port and self.lookup_port is None:
+            self._adopt_lookup_port(resp.lookup_port)
+        return resp
+
+    def _adopt_lookup_port(self, port: int) -> None:
+        """Uses the lookup port the service advertised (kvstore.meta.lookup_port) for the sync
+        facade's lookups: only with one service (not shards), no TLS and no token, and not for
+        a while after it failed."""
+        if not self.cfg.lookup_port or self._lookups is None or self._tls_on or self.cfg.token:
+            return
+        if time.monotonic() < self._port_retry_at:
+            return
+        host = self.cfg.meta.rsplit(":", 1)[0].strip("[]")
+        self.lookup_port = LookupPortClient(host, port, self.cfg.rpc_timeout_s)
+        self._aport = AsyncLookupPort(host, port, self.cfg.rpc_timeout_s)
+
+    def lookup_port_failed(self, why: str) -> None:
+        """The lookup port could not answer: lookups go over gRPC for a while (the next gRPC
+        answer that advertises the port after it brings it back)."""
+        port, self.lookup_port = self.lookup_port, None
+        aport, self._aport = self._aport, None
+        if aport is not None:  # its transport belongs to the client's loop
+            try:
+                here = asyncio.get_running_loop()
+            except RuntimeError:
+                here = None
+            if self._home is None or here is self._home:
+                aport.close()
+            else:
+                self._home.call_soon_threadsafe(aport.close)
+        if port is not None:
+            log.info("event=lookup_port_down reason=%r action=grpc_for_%gs", why, _PORT_RETRY_S)
+            self._port_retry_at = time.monotonic() + _PORT_RETRY_S
+            port.close()
 
     def _split(self, sizes: list[int]) -> list[tuple[int, int]]:
         """Contiguous index ranges of about equal bytes, one per I/O thread (one if small)."""

@@ -2,7 +2,8 @@
 
 It runs one private event loop in a daemon thread and forwards each call to it, so the async
 client stays the single implementation; a get of blocks whose locations the client knows is read
-in the calling thread instead (no hop to the loop). Safe to call from several threads at once.
+in the calling thread instead (no hop to the loop), and so is a lookup when the service offers
+its lookup port (kvstore.meta.lookup_port). Safe to call from several threads at once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.client.client import KVStoreClient, PutResult
+from kvstore.client.lookup_port import LookupPortClient, PortDown
 from kvstore.config import ClientConfig
 from kvstore.errors import Unavailable
 from kvstore.keys import KEY_BYTES, pack_keys
@@ -93,10 +95,34 @@ class SyncKVStoreClient:
             self._loop.close()
 
     def lookup(self, keys: Sequence[bytes] | bytes) -> int:
+        port = self._client.lookup_port
+        if port is not None:
+            packed = pack_keys(keys)
+            hit = self._on_port(port, packed, False)
+            if hit is not None:
+                return hit[0]
+            keys = packed
         return self._run(self._client.lookup(keys))
 
     def exists(self, keys: Sequence[bytes] | bytes) -> list[bool]:
+        port = self._client.lookup_port
+        if port is not None:
+            packed = pack_keys(keys)
+            hit = self._on_port(port, packed, True)
+            if hit is not None:
+                return [bool(x) for x in hit[1]]
+            keys = packed
         return self._run(self._client.exists(keys))
+
+    def _on_port(self, port: LookupPortClient, packed: bytes, per_key: bool) -> tuple[int, bytes] | None:
+        """A lookup on the service's lookup port, in this thread; None: ask over gRPC."""
+        if self._closed or not port.usable(len(packed) // KEY_BYTES):
+            return None
+        try:
+            return port.ask(packed, per_key)
+        except PortDown as e:
+            self._client.lookup_port_failed(str(e))
+            return None
 
     def lookup_tiers(self, keys: Sequence[bytes] | bytes):  # noqa: ANN201 - kvstore.client.engines.TierLookup
         return self._run(self._client.lookup_tiers(keys))

@@ -27,8 +27,9 @@ from kvstore.meta.index import (
     Index,
     IndexLimits,
 )
+from kvstore.meta.lookup_port import LookupPort
 from kvstore.meta.servicer import ADOPT_CHUNK, MetaServicer  # noqa: F401 - re-exported
-from kvstore.metrics import MetaCollector, MetricsHttp
+from kvstore.metrics import MetaCollector, MetricsHttp, rpc_metrics
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
 from kvstore.tls import TlsConfig, add_port
 from kvstore.v1 import common_pb2, meta_pb2
@@ -116,6 +117,7 @@ class MetaServer:
         self.health = ServerHealth("kvstore.v1.MetaService")
         self._failing: dict[str, int] = {}  # background loop -> consecutive failures
         self._stopping = False
+        self.lookup_port: LookupPort | None = None
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -147,12 +149,34 @@ class MetaServer:
         if self.cfg.metrics_port >= 0:
             self.metrics.start(self.cfg.metrics_host, self.cfg.metrics_port)
         await self.server.start()
+        if self.cfg.lookup_port >= 0 and authority is None and not (self.tls is not None and self.tls.enabled):
+            await self._start_lookup_port(servicer)
         await self.health.start()
         await self.health.set_serving(True)
         self._sweeper = asyncio.create_task(self._loop("sweep", self.cfg.sweep_interval_s, self._sweep_round))
         self._tierer = asyncio.create_task(self._loop("tier", self.cfg.tier_interval_s, self._tier_round))
         log.info("event=meta_started listen=%s port=%d metrics_port=%d", self.cfg.listen, self.port, self.metrics.port)
         return self.port
+
+    async def _start_lookup_port(self, servicer: MetaServicer) -> None:
+        """Plain lookups on a socket beside gRPC (kvstore.meta.lookup_port), on the host of
+        meta.listen; advertised in every lookup answer."""
+        index = self.index
+        duration, error = rpc_metrics(self.registry).method("MetaService", "LookupPort")
+
+        def lookup(packed: bytes, per_key: bool) -> tuple[int, list[bool]]:
+            hit, exists, _ = index.lookup(packed, per_key=per_key)
+            return hit, exists
+
+        host = self.cfg.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+        port = LookupPort(lookup, self.cfg.max_batch_keys, self.gate, observe=duration.observe, error=error)
+        try:
+            servicer.lookup_port = await port.start(host, self.cfg.lookup_port)
+        except OSError as e:
+            log.warning("event=lookup_port_off reason=%r", str(e))  # lookups stay on gRPC
+            return
+        self.lookup_port = port
+        log.info("event=lookup_port_started host=%s port=%d", host, port.port)
 
     async def _loop(self, name: str, interval: float, body) -> None:  # noqa: ANN001
         """Runs ``body`` every ``interval`` seconds for as long as the server runs: an exception
@@ -227,6 +251,8 @@ class MetaServer:
             _done, late = await asyncio.wait(pending, timeout=self.cfg.daemon_rpc_timeout_s)
             for t in late:
                 t.cancel()
+        if self.lookup_port is not None:
+            await self.lookup_port.stop()
         if self.server:
             await self.server.stop(grace)
         await self.link.close()

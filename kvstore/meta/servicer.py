@@ -88,6 +88,7 @@ class MetaServicer:
         self.allow_clock_skew = allow_clock_skew
         self.tickets = tickets
         self.authority = authority
+        self.lookup_port = 0  # advertised in lookup answers when served (kvstore.meta.lookup_port)
         # Who started each put and took each lease (with tenants): only they may end it.
         self._put_owner: dict[int, str] = {}
         self._lease_owner: dict[int, str] = {}
@@ -252,6 +253,7 @@ class MetaServicer:
         hit, exists, locs = self.index.lookup(keys, per_key=request.per_key, with_locations=request.with_locations)
         resp = meta_pb2.LookupResponse(
             hit_count=hit,
+            lookup_port=self.lookup_port,
             exists=pack(exists, U8) if request.per_key else b"",
             locations=locations_to_pb(locs, keys=self.authority is not None) if request.with_locations else None,
         )

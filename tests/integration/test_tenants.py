@@ -174,3 +174,11 @@ def test_engines_of_one_tenant_are_invisible_to_another(tenants):
         assert b.report_engine_blocks("worker-0", "http://b", [], reset=True) == 0
         assert b.report_engine_blocks("worker-0", leave=True) == 0
         assert a.lookup_tiers(KEYS).device("worker-0") == 3
+
+
+def test_a_service_with_tenants_offers_no_lookup_port(tenants):
+    # The lookup port carries no identity: with tenants, lookups stay on authenticated gRPC.
+    assert raw(tenants, "a", "Lookup", meta_pb2.LookupRequest(keys=b"".join(KEYS))).lookup_port == 0
+    with client(tenants, "a") as c:
+        c.lookup(KEYS)
+        assert c._client.lookup_port is None
