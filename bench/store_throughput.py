@@ -561,14 +561,16 @@ def render(r: dict, png: str | None) -> str:
         "",
         f"Lookups of {lk['keys_per_lookup']} keys, {lk['concurrency']} concurrent callers: "
         f"**{lk['lookup_keys_per_s']:,} keys/s**, p50 {lk['lookup_p50_ms']} ms, p99 **{lk['lookup_p99_ms']} ms**; "
-        f"one caller alone: p50 {lk['single_caller_p50_ms']} ms, p99 {lk['single_caller_p99_ms']} ms.",
+        f"one caller alone: p50 {lk['single_caller_p50_ms']} ms, p99 {lk['single_caller_p99_ms']} ms."
+        " The asyncio client asks them on the metadata service's lookup port (one connection, requests"
+        " pipelined; kvstore/meta/lookup_port.py), where the service offers it.",
         "",
         "| target | measured | goal |",
         "|---|---|---|",
         f"| `shm_get_over_memcpy` (2 MiB) | {r['shm_get_over_memcpy']:.2f} | >= 0.8 |",
         f"| `tcp_get_over_socket` (2 MiB) | {r['tcp_get_over_socket']:.2f} | >= 0.8 |",
         f"| `lookup_keys_per_s` | {r['lookup_keys_per_s']:,} | >= 2,000,000 |",
-        f"| `lookup_p99_ms` | {r['lookup_p99_ms']} | |",
+        f"| `lookup_p99_ms` (8 callers) | {r['lookup_p99_ms']} | < 2 |",
         f"| `tls_tcp_get_over_plain` (2 MiB) | {r['tls_tcp_get_over_plain']:.2f} | >= 0.7 |",
         f"| `tickets_shm_get_over_plain` (2 MiB) | {r['tickets_shm_get_over_plain']:.2f} | >= 0.95 |",
     ]
