@@ -90,6 +90,8 @@ class KVStoreClient(Reads, Writes, EngineReports):
         self._tls_on = tls is not None and tls.enabled
         self.lookup_port: LookupPortClient | None = None  # the service's lookup port, once advertised
         self._aport: AsyncLookupPort | None = None  # the same, for calls on this event loop
+        self._port_ident: tuple[int, int] | None = None  # (port, instance id) adopted
+        self._closing_port = False
         try:
             self._home: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -146,10 +148,13 @@ class KVStoreClient(Reads, Writes, EngineReports):
         await self._send_touches()  # what waits for its delay goes now
         if self._lookups is not None:
             await self._lookups.close()
-        if self.lookup_port is not None:
-            self.lookup_port.close()
-        if self._aport is not None:
-            self._aport.close()
+        self._closing_port = True  # no port is adopted after this
+        port, self.lookup_port = self.lookup_port, None
+        aport, self._aport = self._aport, None
+        if port is not None:
+            port.close()
+        if aport is not None:
+            aport.close()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self._channel is not None:
@@ -195,27 +200,36 @@ class KVStoreClient(Reads, Writes, EngineReports):
             resp = await self._rpc(self._stub.Lookup, request)
         else:
             resp = await self._lookups.ask(request)
-        if resp.lookup_port and self.lookup_port is None:
-            self._adopt_lookup_port(resp.lookup_port)
+        if resp.lookup_port and (
+            self._port_ident is None or self._port_ident != (resp.lookup_port, resp.lookup_port_id)
+        ):
+            self._adopt_lookup_port(resp.lookup_port, resp.lookup_port_id)
         return resp
 
-    def _adopt_lookup_port(self, port: int) -> None:
+    def _adopt_lookup_port(self, port: int, instance: int) -> None:
         """Uses the lookup port the service advertised (kvstore.meta.lookup_port) for the sync
         facade's lookups: only with one service (not shards), no TLS and no token, and not for
         a while after it failed."""
-        if not self.cfg.lookup_port or self._lookups is None or self._tls_on or self.cfg.token:
+        if not self.cfg.lookup_port or self._closing_port or self._lookups is None or self._tls_on or self.cfg.token:
             return
         if time.monotonic() < self._port_retry_at:
             return
+        self.lookup_port_failed("the service advertised another lookup port")  # the old one, if any
+        self._port_retry_at = 0.0
         host = self.cfg.meta.rsplit(":", 1)[0].strip("[]")
-        self.lookup_port = LookupPortClient(host, port, self.cfg.rpc_timeout_s)
-        self._aport = AsyncLookupPort(host, port, self.cfg.rpc_timeout_s)
+        # Half the call's timeout on the port: a port that stops answering costs a caller half a
+        # timeout before the same question goes over gRPC.
+        timeout = self.cfg.rpc_timeout_s / 2
+        self._port_ident = (port, instance)
+        self.lookup_port = LookupPortClient(host, port, timeout, instance)
+        self._aport = AsyncLookupPort(host, port, timeout, instance)
 
     def lookup_port_failed(self, why: str) -> None:
         """The lookup port could not answer: lookups go over gRPC for a while (the next gRPC
         answer that advertises the port after it brings it back)."""
         port, self.lookup_port = self.lookup_port, None
         aport, self._aport = self._aport, None
+        self._port_ident = None
         if aport is not None:  # its transport belongs to the client's loop
             try:
                 here = asyncio.get_running_loop()
@@ -223,8 +237,11 @@ class KVStoreClient(Reads, Writes, EngineReports):
                 here = None
             if self._home is None or here is self._home:
                 aport.close()
-            else:
-                self._home.call_soon_threadsafe(aport.close)
+            elif not self._home.is_closed():
+                try:
+                    self._home.call_soon_threadsafe(aport.close)
+                except RuntimeError:  # the loop closed meanwhile: its transports went with it
+                    pass
         if port is not None:
             log.info("event=lookup_port_down reason=%r action=grpc_for_%gs", why, _PORT_RETRY_S)
             self._port_retry_at = time.monotonic() + _PORT_RETRY_S

@@ -31,6 +31,15 @@ class PortDown(Exception):
     """The lookup port cannot answer this call: ask over gRPC."""
 
 
+class _Closed(PortDown):
+    """The service closed the connection (end of stream)."""
+
+
+def _closed_by_peer(e: BaseException) -> bool:
+    """A pooled connection the service closed meanwhile (worth one more try), not a timeout."""
+    return isinstance(e, (_Closed, ConnectionResetError, BrokenPipeError))
+
+
 def _recv_exact(s: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -38,14 +47,25 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     while got < n:
         k = s.recv_into(view[got:])
         if not k:
-            raise PortDown("the lookup port closed the connection")
+            raise _Closed("the lookup port closed the connection")
         got += k
     return bytes(buf)
 
 
+def _check_hello(addr: tuple[str, int], hello: bytes, instance: int) -> int:
+    """The key limit from a hello; PortDown if it is not the instance the service advertised."""
+    magic, max_keys, got = HELLO.unpack(hello)
+    if magic != MAGIC or max_keys <= 0:
+        raise PortDown(f"lookup port {addr}: not a kvstore lookup port")
+    if instance and got != instance:
+        raise PortDown(f"lookup port {addr}: another service instance holds it (restarted or forwarded)")
+    return max_keys
+
+
 class LookupPortClient:
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float, instance: int = 0) -> None:
         self.addr = (host, port)
+        self.instance = instance
         self.timeout_s = timeout_s
         self.max_keys = 0
         self._idle: list[socket.socket] = []
@@ -60,9 +80,7 @@ class LookupPortClient:
         try:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.sendall(MAGIC)
-            magic, max_keys = HELLO.unpack(_recv_exact(s, HELLO.size))
-            if magic != MAGIC or max_keys <= 0:
-                raise PortDown(f"lookup port {self.addr}: not a kvstore lookup port")
+            max_keys = _check_hello(self.addr, _recv_exact(s, HELLO.size), self.instance)
         except (OSError, PortDown) as e:
             s.close()
             raise PortDown(str(e)) from None
@@ -107,7 +125,7 @@ class LookupPortClient:
                 message = _recv_exact(s, min(value, 4096)).decode("utf-8", "replace")
             except (OSError, PortDown) as e:
                 s.close()
-                if reused and attempt == 0:
+                if reused and attempt == 0 and _closed_by_peer(e):
                     continue  # the service closed an idle connection: once more, on a new one
                 raise PortDown(str(e)) from None
             s.close()
@@ -145,7 +163,7 @@ class _AsyncConn(asyncio.Protocol):
         if not self.hello.done():
             self.hello.set_exception(err)
         while self.waiting:
-            fut, _ = self.waiting.popleft()
+            fut = self.waiting.popleft()[0]
             if not fut.done():
                 fut.set_exception(err)
 
@@ -155,13 +173,9 @@ class _AsyncConn(asyncio.Protocol):
         if not self.hello.done():
             if len(buf) < HELLO.size:
                 return
-            magic, max_keys = HELLO.unpack_from(buf)
+            hello = bytes(buf[: HELLO.size])
             del buf[: HELLO.size]
-            if magic != MAGIC or max_keys <= 0:
-                self.hello.set_exception(PortDown("not a kvstore lookup port"))
-                self.t.abort()  # type: ignore[union-attr]
-                return
-            self.hello.set_result(max_keys)
+            self.hello.set_result(hello)
         while self.waiting and len(buf) >= HEAD.size:
             fut, n, per_key = self.waiting[0]
             status, value = HEAD.unpack_from(buf)
@@ -183,12 +197,14 @@ class AsyncLookupPort:
     come back in order), made again after it breaks. Raises :class:`PortDown` like the blocking
     client."""
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float, instance: int = 0) -> None:
         self.addr = (host, port)
+        self.instance = instance
         self.timeout_s = timeout_s
         self.max_keys = 0
         self._conn: _AsyncConn | None = None
         self._connecting: asyncio.Lock | None = None
+        self._closed = False
 
     def usable(self, n: int) -> bool:
         return 0 < n <= (self.max_keys or n)
@@ -203,13 +219,21 @@ class AsyncLookupPort:
             c = self._conn
             if c is not None and not c.lost:
                 return c
+            if self._closed:
+                raise PortDown("the lookup port client is closed")
             loop = asyncio.get_running_loop()
+            c = None
             try:
                 async with asyncio.timeout(self.timeout_s):
                     _, c = await loop.create_connection(_AsyncConn, *self.addr)
-                    self.max_keys = await c.hello
-            except (OSError, TimeoutError) as e:
+                    self.max_keys = _check_hello(self.addr, await c.hello, self.instance)
+            except (OSError, TimeoutError, PortDown) as e:
+                if c is not None and c.t is not None:
+                    c.t.abort()
                 raise PortDown(f"lookup port {self.addr}: {e!r}") from None
+            if self._closed:  # closed while this connection was being made
+                c.t.abort()  # type: ignore[union-attr]
+                raise PortDown("the lookup port client is closed")
             c.t.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[union-attr]
             self._conn = c
             return c
@@ -234,8 +258,9 @@ class AsyncLookupPort:
         raise _BY_CODE.get(code, Internal)(body.decode("utf-8", "replace"))
 
     def close(self) -> None:
+        self._closed = True
         if self._conn is not None and self._conn.t is not None:
-            self._conn.t.close()
+            self._conn.t.abort()  # waiting callers get PortDown at once
         self._conn = None
 
 

@@ -121,6 +121,8 @@ class SyncKVStoreClient:
         try:
             return port.ask(packed, per_key)
         except PortDown as e:
+            if self._closed:
+                raise Unavailable("the client is closed") from None
             self._client.lookup_port_failed(str(e))
             return None
 

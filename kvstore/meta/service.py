@@ -168,13 +168,16 @@ class MetaServer:
             hit, exists, _ = index.lookup(packed, per_key=per_key)
             return hit, exists
 
-        host = self.cfg.listen.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+        host = self.cfg.listen.rsplit(":", 1)[0].strip("[]")
+        # Every interface of both families for "::" (as gRPC listens there), else that address.
+        bind = None if host in ("", "::") else host
         port = LookupPort(lookup, self.cfg.max_batch_keys, self.gate, observe=duration.observe, error=error)
         try:
-            servicer.lookup_port = await port.start(host, self.cfg.lookup_port)
+            servicer.lookup_port = await port.start(bind, self.cfg.lookup_port)
         except OSError as e:
             log.warning("event=lookup_port_off reason=%r", str(e))  # lookups stay on gRPC
             return
+        servicer.lookup_port_id = port.instance
         self.lookup_port = port
         log.info("event=lookup_port_started host=%s port=%d", host, port.port)
 

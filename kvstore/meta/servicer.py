@@ -89,6 +89,7 @@ class MetaServicer:
         self.tickets = tickets
         self.authority = authority
         self.lookup_port = 0  # advertised in lookup answers when served (kvstore.meta.lookup_port)
+        self.lookup_port_id = 0
         # Who started each put and took each lease (with tenants): only they may end it.
         self._put_owner: dict[int, str] = {}
         self._lease_owner: dict[int, str] = {}
@@ -254,6 +255,7 @@ class MetaServicer:
         resp = meta_pb2.LookupResponse(
             hit_count=hit,
             lookup_port=self.lookup_port,
+            lookup_port_id=self.lookup_port_id,
             exists=pack(exists, U8) if request.per_key else b"",
             locations=locations_to_pb(locs, keys=self.authority is not None) if request.with_locations else None,
         )

@@ -156,20 +156,22 @@ class LookupRequest(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., per_key: _Optional[bool] = ..., with_locations: _Optional[bool] = ..., per_tier: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_count", "exists", "locations", "tiers", "engines", "lookup_port")
+    __slots__ = ("hit_count", "exists", "locations", "tiers", "engines", "lookup_port", "lookup_port_id")
     HIT_COUNT_FIELD_NUMBER: _ClassVar[int]
     EXISTS_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PORT_ID_FIELD_NUMBER: _ClassVar[int]
     hit_count: int
     exists: bytes
     locations: _common_pb2.Locations
     tiers: bytes
     engines: _containers.RepeatedCompositeFieldContainer[EngineHeld]
     lookup_port: int
-    def __init__(self, hit_count: _Optional[int] = ..., exists: _Optional[bytes] = ..., locations: _Optional[_Union[_common_pb2.Locations, _Mapping]] = ..., tiers: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineHeld, _Mapping]]] = ..., lookup_port: _Optional[int] = ...) -> None: ...
+    lookup_port_id: int
+    def __init__(self, hit_count: _Optional[int] = ..., exists: _Optional[bytes] = ..., locations: _Optional[_Union[_common_pb2.Locations, _Mapping]] = ..., tiers: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineHeld, _Mapping]]] = ..., lookup_port: _Optional[int] = ..., lookup_port_id: _Optional[int] = ...) -> None: ...
 
 class EngineHeld(_message.Message):
     __slots__ = ("engine_id", "url", "held")

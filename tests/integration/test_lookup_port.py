@@ -36,8 +36,8 @@ def advertised(meta: str) -> int:
 def connect(meta: str) -> socket.socket:
     s = socket.create_connection((meta.rsplit(":", 1)[0], advertised(meta)), timeout=10)
     s.sendall(MAGIC)
-    magic, max_keys = HELLO.unpack(recv(s, HELLO.size))
-    assert magic == MAGIC and max_keys > 0
+    magic, max_keys, instance = HELLO.unpack(recv(s, HELLO.size))
+    assert magic == MAGIC and max_keys > 0 and instance
     return s
 
 
@@ -173,7 +173,7 @@ def test_the_async_client_learns_the_port_but_keeps_asking_on_its_stream(store):
 
 
 def test_wire_sizes():
-    assert HEAD.size == 8 and HELLO.size == 8 and struct.calcsize("<II") == 8
+    assert HEAD.size == 8 and HELLO.size == 16 and struct.calcsize("<II") == 8
 
 
 def test_async_lookups_go_to_the_port_pipelined_and_back_to_grpc_when_it_fails(store):
@@ -196,3 +196,39 @@ def test_async_lookups_go_to_the_port_pipelined_and_back_to_grpc_when_it_fails(s
             assert tiers.per_tier and tiers.tiers == b"\x01" * 4
 
     asyncio.run(go())
+
+
+def test_a_restarted_service_is_asked_on_its_new_port_never_on_a_stranger_holding_the_old(cluster):
+    import threading
+
+    from kvstore.meta.lookup_port import LookupPort
+
+    meta = cluster.start_meta()
+    addr = cluster.meta_addr
+    keys = chain(5)
+    c = SyncKVStoreClient(addr, ClientConfig(rpc_timeout_s=4.0))
+    try:
+        assert c.lookup(keys) == 0 and c._client.lookup_port is not None
+        old = c._client.lookup_port.addr[1]
+        meta.kill()
+        # A stranger takes the old lookup port and claims every key is stored.
+        loop = asyncio.new_event_loop()
+        th = threading.Thread(target=loop.run_forever, daemon=True)
+        th.start()
+        liar = LookupPort(lambda packed, per_key: (len(packed) // 16, [True] * (len(packed) // 16)), 64)
+        asyncio.run_coroutine_threadsafe(liar.start("127.0.0.1", old), loop).result(10)
+        try:
+            cluster.start_meta(listen=addr)  # the service again, same gRPC address, a new port
+            for _ in range(20):
+                try:
+                    assert c.lookup(keys) == 0  # never the stranger's 5
+                    assert c.exists(keys) == [False] * 5
+                except KVStoreError:
+                    pass  # while the service comes back: a typed error, never a wrong answer
+            assert c.lookup(keys) == 0
+        finally:
+            asyncio.run_coroutine_threadsafe(liar.stop(), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            th.join(10)
+    finally:
+        c.close()
