@@ -26,7 +26,10 @@ Two policies, chosen by ``meta.cache_policy``:
   ``SHADOW_BLOCKS``, so each shadow holds about ``SHADOW_BLOCKS`` blocks) and count their prefix
   hits on those keys, decayed with a half-life of ``AGE_FACTOR`` x a shadow's size in sampled
   accesses (the window the counts age over). Frequency mode, which declines blocks, is entered
-  when its shadow earns ``MARGIN`` more than recency's and left when it earns less. Recency wins
+  when its shadow earns ``MARGIN`` more than recency's and left when it earns less; either
+  switch also needs the difference to pass ``SIGNIFICANCE`` standard deviations of the
+  sampling noise (the conventional two-sided 95 % level), so that noise does not flip the mode
+  back and forth (every switch costs the blocks the other mode would have kept). Recency wins
   on traffic whose reuse is recent (chat, document QA); frequency wins where most blocks are used
   once and a few prefixes are used by many (production conversation traces).
 
@@ -38,11 +41,13 @@ in chain order too: once a block of a put is declined, the rest of that put is.
 Costs: O(1) per touched block (dictionary operations and counter arithmetic), O(``SAMPLE``) per
 eviction in frequency mode. Parameters come from the papers named above, not from fitting a
 workload: 10 % / 10 x periods (TinyLFU), 64 samples (hyperbolic caching), shadow caches of a few
-hundred blocks (set dueling uses 32 sets of a few thousand lines).
+hundred blocks (set dueling uses 32 sets of a few thousand lines), and switches at the 95 %
+significance level.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -59,6 +64,7 @@ MIN_POPULATION = 1024
 SHADOW_BLOCKS = 2048
 MIN_SHADOW = 64
 MARGIN = 0.05
+SIGNIFICANCE = 2.0  # standard deviations (the two-sided 95 % level)
 MAX_COUNT = 255
 _EPOCH_SHIFT = 8
 
@@ -274,12 +280,20 @@ class AdaptivePolicy(LruPolicy):
         decay = 0.5 ** (len(sampled) / (AGE_FACTOR * size))
         self._hits_lfu = self._hits_lfu * decay + self._lfu.access(sampled)
         self._hits_lru = self._hits_lru * decay + self._lru.access(sampled)
-        # Hysteresis: frequency mode (which declines blocks) is entered only when its shadow
-        # earns MARGIN more than recency's, and left as soon as it earns less.
+        self._choose(self._hits_lfu, self._hits_lru)
+
+    def _choose(self, lfu: float, lru: float) -> None:
+        """Switches mode only on evidence: frequency mode (which declines blocks) is entered
+        when its shadow earns MARGIN more than recency's, and either switch needs a difference
+        above SIGNIFICANCE standard deviations of the counting noise (hit counts of sampled
+        keys: about Poisson, so sqrt(lfu + lru) for their difference). A difference the noise
+        explains changes nothing: each switch costs the blocks the new mode would not have kept."""
+        d = lfu - lru
+        noise = SIGNIFICANCE * math.sqrt(lfu + lru)
         if self._mode:
-            mode = self._hits_lfu >= self._hits_lru
+            mode = -d <= noise
         else:
-            mode = self._hits_lfu > self._hits_lru * (1 + MARGIN)
+            mode = d > noise and lfu > lru * (1 + MARGIN)
         if mode != self._mode:
             self._mode = mode
             self.mode_switches += 1

@@ -229,3 +229,20 @@ def test_the_mode_follows_what_the_traffic_rewards():
     assert not rec.policy.frequency_mode
     assert _recent_loops(rec, 50) == _recent_loops(make(slots=400, policy="lru"), 50)
     freq.check_integrity()
+
+
+def test_the_mode_switches_only_on_a_difference_the_noise_does_not_explain():
+    p = make().policy
+    assert not p.frequency_mode
+    p._choose(110.0, 100.0)  # 10 more hits: within 2 standard deviations (2 * sqrt(210) = 29)
+    assert not p.frequency_mode and p.mode_switches == 0
+    p._choose(200.0, 100.0)  # 100 more: significant, and above the margin
+    assert p.frequency_mode and p.mode_switches == 1
+    p._choose(100.0, 110.0)  # recency ahead by noise only: stays
+    assert p.frequency_mode and p.mode_switches == 1
+    p._choose(100.0, 200.0)
+    assert not p.frequency_mode and p.mode_switches == 2
+    p._choose(10_050.0, 10_000.0)  # significant at this volume (2 * sqrt(20050) = 283)? no: 50 < 283
+    assert not p.frequency_mode
+    p._choose(11_000.0, 10_000.0)  # 1000 > 290 and 10 % > the 5 % margin
+    assert p.frequency_mode
