@@ -237,9 +237,6 @@ class StoreConnector:
                 pass
         return total
 
-    def loaded_tokens(self, request_id: int) -> int:
-        return self.take_load(request_id)[0]
-
     def take_load(self, request_id: int) -> tuple[int, float]:
         """(tokens loaded, seconds the load took) for a request, forgotten afterwards."""
         return self.stats.per_request.pop(request_id, (0, 0.0))

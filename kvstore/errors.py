@@ -92,12 +92,16 @@ _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
 }
 
 
+def error_for(code: grpc.StatusCode, message: str) -> KVStoreError:
+    """The typed error for a status code (Internal for one without its own type)."""
+    return _BY_CODE.get(code, Internal)(message or code.name)
+
+
 def from_rpc_error(err: grpc.RpcError) -> KVStoreError:
     """The typed error for a failed RPC (``grpc.RpcError`` or ``grpc.aio.AioRpcError``)."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
-    cls = _BY_CODE.get(code, Internal)
-    return cls(details or code.name)
+    return error_for(code, details)
 
 
 async def grpc_abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:

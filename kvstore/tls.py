@@ -78,14 +78,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _host(addr: str) -> str:
-    return addr.rpartition(":")[0] if ":" in addr else addr
+def host_of(addr: str) -> str:
+    """The host of ``host:port`` (an IPv6 literal without its brackets)."""
+    return (addr.rpartition(":")[0] if ":" in addr else addr).strip("[]")
 
 
 def check_listen(addr: str, tls: TlsConfig | None, what: str) -> None:
     """Refuses a plaintext listener on a non-loopback address unless allowed."""
     tls = tls or TlsConfig()
-    if tls.enabled or tls.allow_plaintext or is_loopback(_host(addr)):
+    if tls.enabled or tls.allow_plaintext or is_loopback(host_of(addr)):
         return
     raise InvalidArgument(
         f"{what}: refusing to listen in plaintext on {addr}: set tls.ca, tls.cert and tls.key "

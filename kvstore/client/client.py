@@ -47,7 +47,7 @@ from kvstore.config import ClientConfig, default_host_id
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable, from_rpc_error
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.rpc import GRPC_OPTIONS
-from kvstore.tls import TlsConfig, aio_channel, client_context
+from kvstore.tls import TlsConfig, aio_channel, client_context, host_of
 from kvstore.transport.shm import ShmTransport
 from kvstore.transport.tcp import TcpTransport
 from kvstore.v1 import meta_pb2, meta_pb2_grpc
@@ -216,7 +216,7 @@ class KVStoreClient(Reads, Writes, EngineReports):
             return
         self.lookup_port_failed("the service advertised another lookup port")  # the old one, if any
         self._port_retry_at = 0.0
-        host = self.cfg.meta.rsplit(":", 1)[0].strip("[]")
+        host = host_of(self.cfg.meta)
         # Half the call's timeout on the port: a port that stops answering costs a caller half a
         # timeout before the same question goes over gRPC.
         timeout = self.cfg.rpc_timeout_s / 2

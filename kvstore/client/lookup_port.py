@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.errors import _BY_CODE, Internal
+from kvstore.errors import error_for
 from kvstore.keys import KEY_BYTES
 from kvstore.meta.lookup_port import HEAD, HELLO, MAGIC, PER_KEY
 
@@ -52,6 +52,29 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _refusal(status: int, message: str) -> Exception:
+    """An error answer as the exception to raise: PortDown for UNAVAILABLE (or a status this
+    client does not know: ask over gRPC), else the service's typed error."""
+    code = _BY_STATUS.get(status)
+    if code is None or code == grpc.StatusCode.UNAVAILABLE:
+        return PortDown(message)
+    return error_for(code, message)
+
+
+class _Port:
+    """Where the port is, which service instance must answer, and its key limit (from the hello)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float, instance: int = 0) -> None:
+        self.addr = (host, port)
+        self.instance = instance
+        self.timeout_s = timeout_s
+        self.max_keys = 0
+
+    def usable(self, n: int) -> bool:
+        """Whether a batch of ``n`` keys may go to the port (else: gRPC, with its own limits)."""
+        return 0 < n <= (self.max_keys or n)
+
+
 def _check_hello(addr: tuple[str, int], hello: bytes, instance: int) -> int:
     """The key limit from a hello; PortDown if it is not the instance the service advertised."""
     magic, max_keys, got = HELLO.unpack(hello)
@@ -62,12 +85,9 @@ def _check_hello(addr: tuple[str, int], hello: bytes, instance: int) -> int:
     return max_keys
 
 
-class LookupPortClient:
+class LookupPortClient(_Port):
     def __init__(self, host: str, port: int, timeout_s: float, instance: int = 0) -> None:
-        self.addr = (host, port)
-        self.instance = instance
-        self.timeout_s = timeout_s
-        self.max_keys = 0
+        super().__init__(host, port, timeout_s, instance)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -102,10 +122,6 @@ class LookupPortClient:
                 return
         s.close()
 
-    def usable(self, n: int) -> bool:
-        """Whether a batch of ``n`` keys may go to the port (else: gRPC, with its own limits)."""
-        return 0 < n <= (self.max_keys or n)
-
     def ask(self, packed: bytes, per_key: bool) -> tuple[int, bytes]:
         """(leading hit count, per-key bytes or b"") for packed keys. Raises PortDown (ask
         over gRPC) or the service's typed error."""
@@ -129,10 +145,7 @@ class LookupPortClient:
                     continue  # the service closed an idle connection: once more, on a new one
                 raise PortDown(str(e)) from None
             s.close()
-            code = _BY_STATUS.get(status)
-            if code is None or code == grpc.StatusCode.UNAVAILABLE:
-                raise PortDown(message)
-            raise _BY_CODE.get(code, Internal)(message)
+            raise _refusal(status, message)
         raise PortDown("unreachable")  # pragma: no cover
 
     def close(self) -> None:
@@ -192,22 +205,16 @@ class _AsyncConn(asyncio.Protocol):
                 fut.set_result((status, value, body))
 
 
-class AsyncLookupPort:
+class AsyncLookupPort(_Port):
     """The lookup port from an event loop: one connection, requests pipelined on it (answers
     come back in order), made again after it breaks. Raises :class:`PortDown` like the blocking
     client."""
 
     def __init__(self, host: str, port: int, timeout_s: float, instance: int = 0) -> None:
-        self.addr = (host, port)
-        self.instance = instance
-        self.timeout_s = timeout_s
-        self.max_keys = 0
+        super().__init__(host, port, timeout_s, instance)
         self._conn: _AsyncConn | None = None
         self._connecting: asyncio.Lock | None = None
         self._closed = False
-
-    def usable(self, n: int) -> bool:
-        return 0 < n <= (self.max_keys or n)
 
     async def _get(self) -> _AsyncConn:
         c = self._conn
@@ -252,10 +259,7 @@ class AsyncLookupPort:
             raise PortDown(f"lookup port {self.addr}: no answer in {self.timeout_s} s") from None
         if status == 0:
             return value, body
-        code = _BY_STATUS.get(status)
-        if code is None or code == grpc.StatusCode.UNAVAILABLE:
-            raise PortDown(body.decode("utf-8", "replace"))
-        raise _BY_CODE.get(code, Internal)(body.decode("utf-8", "replace"))
+        raise _refusal(status, body.decode("utf-8", "replace"))
 
     def close(self) -> None:
         self._closed = True

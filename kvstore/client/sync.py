@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.client.client import KVStoreClient, PutResult
-from kvstore.client.lookup_port import LookupPortClient, PortDown
+from kvstore.client.lookup_port import PortDown
 from kvstore.config import ClientConfig
 from kvstore.errors import Unavailable
 from kvstore.keys import KEY_BYTES, pack_keys
@@ -95,28 +95,20 @@ class SyncKVStoreClient:
             self._loop.close()
 
     def lookup(self, keys: Sequence[bytes] | bytes) -> int:
-        port = self._client.lookup_port
-        if port is not None:
-            packed = pack_keys(keys)
-            hit = self._on_port(port, packed, False)
-            if hit is not None:
-                return hit[0]
-            keys = packed
-        return self._run(self._client.lookup(keys))
+        hit = self._on_port(keys, False)
+        return hit[0] if hit is not None else self._run(self._client.lookup(keys))
 
     def exists(self, keys: Sequence[bytes] | bytes) -> list[bool]:
-        port = self._client.lookup_port
-        if port is not None:
-            packed = pack_keys(keys)
-            hit = self._on_port(port, packed, True)
-            if hit is not None:
-                return [bool(x) for x in hit[1]]
-            keys = packed
-        return self._run(self._client.exists(keys))
+        hit = self._on_port(keys, True)
+        return [bool(x) for x in hit[1]] if hit is not None else self._run(self._client.exists(keys))
 
-    def _on_port(self, port: LookupPortClient, packed: bytes, per_key: bool) -> tuple[int, bytes] | None:
+    def _on_port(self, keys: Sequence[bytes] | bytes, per_key: bool) -> tuple[int, bytes] | None:
         """A lookup on the service's lookup port, in this thread; None: ask over gRPC."""
-        if self._closed or not port.usable(len(packed) // KEY_BYTES):
+        port = self._client.lookup_port
+        if port is None or self._closed:
+            return None
+        packed = pack_keys(keys)
+        if not port.usable(len(packed) // KEY_BYTES):
             return None
         try:
             return port.ask(packed, per_key)

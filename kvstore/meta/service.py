@@ -31,7 +31,7 @@ from kvstore.meta.lookup_port import LookupPort
 from kvstore.meta.servicer import ADOPT_CHUNK, MetaServicer  # noqa: F401 - re-exported
 from kvstore.metrics import MetaCollector, MetricsHttp, rpc_metrics
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
-from kvstore.tls import TlsConfig, add_port
+from kvstore.tls import TlsConfig, add_port, host_of
 from kvstore.v1 import common_pb2, meta_pb2
 
 log = logging.getLogger("kvstore.meta")
@@ -168,7 +168,7 @@ class MetaServer:
             hit, exists, _ = index.lookup(packed, per_key=per_key)
             return hit, exists
 
-        host = self.cfg.listen.rsplit(":", 1)[0].strip("[]")
+        host = host_of(self.cfg.listen)
         # Every interface of both families for "::" (as gRPC listens there), else that address.
         bind = None if host in ("", "::") else host
         port = LookupPort(lookup, self.cfg.max_batch_keys, self.gate, observe=duration.observe, error=error)
