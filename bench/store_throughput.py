@@ -25,11 +25,13 @@ import mmap
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.report import machine, update_section  # noqa: E402
 from kvstore import KeySpace, KVStoreClient, ModelFingerprint, SyncKVStoreClient  # noqa: E402
+from kvstore.client.buffers import INLINE_COPY_BYTES  # noqa: E402
+from kvstore.client.reads import SHM_SPLIT_BLOCK_BYTES  # noqa: E402
 from kvstore.config import ClientConfig  # noqa: E402
 from kvstore.procs import start  # noqa: E402
 from kvstore.tls import TlsConfig  # noqa: E402
@@ -67,79 +71,120 @@ def start_store(
 
 RAW_SERVER = textwrap.dedent(
     """
-    import socket, ssl, struct, sys, numpy as np
+    import socket, ssl, struct, sys, threading, numpy as np
     srv = socket.create_server(("127.0.0.1", 0))
     print(srv.getsockname()[1], flush=True)
     buf = np.full(int(sys.argv[1]), 7, np.uint8)  # touched once, like the daemon's arena
-    mv = memoryview(buf)
-    conn, _ = srv.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if len(sys.argv) > 2:  # ca cert key: mutual TLS, as the daemon's data port does it
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(sys.argv[3], sys.argv[4])
-        ctx.load_verify_locations(sys.argv[2])
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        conn = ctx.wrap_socket(conn, server_side=True)
-    head = bytearray(16)
-    def fill(view):
-        pos = 0
-        while pos < len(view):
-            n = conn.recv_into(view[pos:], len(view) - pos)
-            if n == 0:
-                return pos
-            pos += n
-        return pos
-    while True:
-        if fill(memoryview(head)) < 16:
-            break
-        op, block, count = struct.unpack("<IIQ", head)
-        if op == 1:  # send count blocks
-            for i in range(count):
-                conn.sendall(mv[i * block : (i + 1) * block])
-        else:  # receive count blocks, then ack
-            for i in range(count):
-                fill(mv[i * block : (i + 1) * block])
-            conn.sendall(b"k")
+    conns = int(sys.argv[2])
+    tls = sys.argv[3:]  # ca cert key: mutual TLS, as the daemon's data port does it
+    def serve(conn, part):
+        mv = memoryview(buf)[part * len(buf) // conns : (part + 1) * len(buf) // conns]
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(tls[1], tls[2])
+            ctx.load_verify_locations(tls[0])
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            conn = ctx.wrap_socket(conn, server_side=True)
+        head = bytearray(16)
+        def fill(view):
+            pos = 0
+            while pos < len(view):
+                n = conn.recv_into(view[pos:], len(view) - pos)
+                if n == 0:
+                    return pos
+                pos += n
+            return pos
+        while True:
+            if fill(memoryview(head)) < 16:
+                break
+            op, block, count = struct.unpack("<IIQ", head)
+            if op == 1:  # send count blocks
+                for i in range(count):
+                    conn.sendall(mv[i * block : (i + 1) * block])
+            else:  # receive count blocks, then ack
+                for i in range(count):
+                    fill(mv[i * block : (i + 1) * block])
+                conn.sendall(b"k")
+    threads = []
+    for part in range(conns):
+        conn, _ = srv.accept()
+        threads.append(threading.Thread(target=serve, args=(conn, part)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
     """
 )
 
 
+def ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous index ranges of about equal length over ``n`` items."""
+    return [(k * n // parts, (k + 1) * n // parts) for k in range(parts) if k * n // parts < (k + 1) * n // parts]
+
+
 class RawSocket:
-    """The baseline: a separate process that streams the same blocks over a plain socket (or,
-    given certificates, over mutual TLS with the same settings as the data port)."""
+    """The baseline: a separate process that streams the same blocks over plain sockets (or,
+    given certificates, over mutual TLS with the same settings as the data port); ``conns``
+    connections, a batch split over them in as many threads, as kvstore splits one over its
+    I/O threads."""
 
-    def __init__(self, total: int, served: TlsConfig | None = None, client: TlsConfig | None = None) -> None:
+    def __init__(
+        self, total: int, served: TlsConfig | None = None, client: TlsConfig | None = None, conns: int = 1
+    ) -> None:
         extra = [served.ca, served.cert, served.key] if served is not None else []
-        self.p = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(total), *extra], stdout=subprocess.PIPE)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", RAW_SERVER, str(total), str(conns), *extra], stdout=subprocess.PIPE
+        )
         port = int(self.p.stdout.readline())  # type: ignore[union-attr]
-        self.s = socket.create_connection(("127.0.0.1", port))
-        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if client is not None:
-            from kvstore.tls import client_context
+        self.socks = []
+        for _ in range(conns):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if client is not None:
+                from kvstore.tls import client_context
 
-            self.s = client_context(client).wrap_socket(self.s, server_hostname=client.server_name)
+                s = client_context(client).wrap_socket(s, server_side=False, server_hostname=client.server_name)
+            self.socks.append(s)
+        self.pool = ThreadPoolExecutor(conns) if conns > 1 else None
 
-    def get(self, dests: list[np.ndarray]) -> None:
-        import struct
+    def _each(self, fn, items: list[np.ndarray]) -> None:  # noqa: ANN001
+        parts = ranges(len(items), len(self.socks))
+        if self.pool is None or len(parts) == 1:
+            fn(self.socks[0], items)
+            return
+        futs = [self.pool.submit(fn, s, items[lo:hi]) for s, (lo, hi) in zip(self.socks[1:], parts[1:])]
+        fn(self.socks[0], items[parts[0][0] : parts[0][1]])
+        for f in futs:
+            f.result()
 
-        self.s.sendall(struct.pack("<IIQ", 1, dests[0].size, len(dests)))
+    @staticmethod
+    def _get(s: socket.socket, dests: list[np.ndarray]) -> None:
+        s.sendall(struct.pack("<IIQ", 1, dests[0].size, len(dests)))
         for d in dests:
             mv = memoryview(d)
             pos = 0
             while pos < d.size:
-                pos += self.s.recv_into(mv[pos:], d.size - pos)
+                pos += s.recv_into(mv[pos:], d.size - pos)
+
+    @staticmethod
+    def _put(s: socket.socket, srcs: list[np.ndarray]) -> None:
+        s.sendall(struct.pack("<IIQ", 2, srcs[0].size, len(srcs)))
+        for d in srcs:
+            s.sendall(memoryview(d))
+        s.recv(1, socket.MSG_WAITALL)
+
+    def get(self, dests: list[np.ndarray]) -> None:
+        self._each(self._get, dests)
 
     def put(self, srcs: list[np.ndarray]) -> None:
-        import struct
-
-        self.s.sendall(struct.pack("<IIQ", 2, srcs[0].size, len(srcs)))
-        for d in srcs:
-            self.s.sendall(memoryview(d))
-        self.s.recv(1, socket.MSG_WAITALL)
+        self._each(self._put, srcs)
 
     def close(self) -> None:
-        self.s.close()
+        for s in self.socks:
+            s.close()
+        if self.pool is not None:
+            self.pool.shutdown()
         self.p.wait(10)
 
 
@@ -210,15 +255,29 @@ def measure_size(meta: str, name: str, size: int, total: int, reps: int, bar: tq
     for i, s in enumerate(srcs):
         shm_arr[i * size : (i + 1) * size] = s
     views = [shm_arr[i * size : (i + 1) * size] for i in range(n)]
-    raw = RawSocket(nbytes)
+    # The baselines get the threads kvstore uses for the same batch: its I/O threads for a batch
+    # over INLINE_COPY_BYTES, except shared-memory reads of small blocks (one thread, see
+    # kvstore.client.reads); the raw socket as many connections, one thread each.
+    io = ClientConfig().io_threads if nbytes > INLINE_COPY_BYTES else 1
+    shm_threads = 1 if size < SHM_SPLIT_BLOCK_BYTES else io
+    raw = RawSocket(nbytes, conns=io)
+    pool = ThreadPoolExecutor(shm_threads)
     out: dict = {"block_bytes": size, "blocks": n, "batch_bytes": nbytes}
+    out["memcpy_threads"], out["socket_conns"] = shm_threads, io
     samples: dict[str, list[float]] = {
         k: [] for k in ("memcpy", "shm_get", "shm_put", "socket_get", "socket_put", "tcp_get", "tcp_put")
     }
 
-    def memcpy() -> None:
-        for d, v in zip(dests, views):
+    def copy(lo: int, hi: int) -> None:
+        for d, v in zip(dests[lo:hi], views[lo:hi]):
             np.copyto(d, v)
+
+    def memcpy() -> None:
+        parts = ranges(n, shm_threads)
+        futs = [pool.submit(copy, lo, hi) for lo, hi in parts[1:]]
+        copy(*parts[0])
+        for f in futs:
+            f.result()
 
     with (
         SyncKVStoreClient(meta, ClientConfig(transport="shm")) as shm,
@@ -247,6 +306,7 @@ def measure_size(meta: str, name: str, size: int, total: int, reps: int, bar: tq
                     samples[k].append(gbps(nbytes, t))
             bar.update(1)
     raw.close()
+    pool.shutdown()
     views = shm_arr = None  # drop the views before closing the mapping
     shm_src.close()
     for k, v in samples.items():
@@ -543,9 +603,12 @@ def render(r: dict, png: str | None) -> str:
         " baselines run in the same process tree: memcpy from a shared-memory mapping into the same buffers, and a"
         " separate raw-socket process streaming the same blocks (`sendall` / `recv_into`). Medians of interleaved"
         " repetitions. `get_into` includes the lease round trip and the checksum check of every block; kvstore splits a"
-        " batch over 8 MiB across `client.io_threads` (2) copy threads, while both baselines are single-threaded."
-        " Small blocks pay a fixed per-block cost in Python (about 10 us: checksum call, copy call, bookkeeping),"
-        " which is why 64 KiB blocks reach a lower share of memcpy than 2 MiB ones.",
+        " batch over 8 MiB across `client.io_threads` (2) threads (shared-memory reads of blocks under 256 KiB stay"
+        " in one thread), and each baseline gets the same: memcpy in as many threads (`memcpy_threads`), the raw"
+        " socket over as many connections, one thread each (`socket_conns`)."
+        " Small blocks pay a fixed per-block cost in Python (about 3 us on the shared-memory path: the copy call,"
+        " the checksum call, the header checks), which is why 64 KiB blocks reach a lower share of memcpy than 2 MiB"
+        " ones.",
         "",
         "| block | batch | memcpy GB/s | shm get | shm put | get/memcpy | raw socket GB/s | tcp get | tcp put | get/socket | put/socket |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

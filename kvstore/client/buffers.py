@@ -21,6 +21,10 @@ INLINE_COPY_BYTES = 8 << 20
 
 def byte_view(obj: Any, writable: bool, what: str = "buffer") -> np.ndarray:
     """A 1-D uint8 numpy view of ``obj``'s bytes (no copy)."""
+    if type(obj) is np.ndarray and obj.dtype == np.uint8 and obj.ndim == 1 and obj.flags.c_contiguous:
+        if writable and not obj.flags.writeable:
+            raise InvalidArgument(f"{what}: array is read-only; get_into needs a writable buffer")
+        return obj
     mod = type(obj).__module__
     if mod.startswith("torch"):
         torch = sys.modules["torch"]

@@ -33,6 +33,8 @@ log = logging.getLogger("kvstore.client")
 _TOUCH_BATCH_KEYS = 4096
 _MAX_TOUCH_KEYS = 1 << 16
 _TOUCH_DELAY_S = 0.05
+# Shared-memory reads of blocks below this mean size are not split over the I/O threads.
+SHM_SPLIT_BLOCK_BYTES = 256 << 10
 # A staged request's bytes before the daemon said what its slices hold.
 _FIRST_SLICE_BYTES = 4 << 20
 
@@ -132,8 +134,12 @@ class Reads:
         # A daemon that died or drains no longer serves its arena: its blocks are misses. Checked
         # once per call, so that a read that started before a drain completes.
         served: dict[str, bool] = {}
+        shm: dict[int, bool] = {}  # per segment message
         for i, p in enumerate(places):
-            if self._shm_ok(p):
+            ok = shm.get(id(p.segment))
+            if ok is None:
+                ok = shm[id(p.segment)] = self._shm_ok(p)
+            if ok:
                 path = p.segment.shm_path
                 if path not in served:
                     served[path] = self._shm.arena(path, p.segment.capacity_bytes).served()
@@ -244,7 +250,15 @@ class Reads:
     ) -> tuple[int, list[int]]:
         """Copies the leased run, split over the I/O threads; the run ends at the first block
         that failed. Returns (blocks loaded, run indexes to report as corrupt)."""
-        ranges = self._split([p.length for p in places])
+        sizes = [p.length for p in places]
+        ranges = self._split(sizes)
+        if len(ranges) > 1 and sum(sizes) < SHM_SPLIT_BLOCK_BYTES * len(sizes):
+            # Small blocks read through shared memory go in one thread: each costs a few us of
+            # Python between two GIL-free calls (copy, checksum), and with two threads every
+            # block hands the GIL over, which costs more than the second core gives.
+            segs = {id(p.segment): p for p in places}
+            if all(self._shm_ok(p) for p in segs.values()):
+                ranges = [(0, len(places))]
         futs = [
             self._chunk_pool.submit(self._read_range, keys, places, dests, deadline, lo, hi, direct)
             for lo, hi in ranges[1:]
@@ -271,26 +285,42 @@ class Reads:
         """Copies blocks lo..hi in order and stops at the first that fails. Returns (index of the
         first block not loaded, indexes to report as corrupt)."""
         i = lo
+        shm: dict[int, bool] = {}  # per segment message: read through shared memory
+
+        def use_shm(p: Placement) -> bool:
+            seg = id(p.segment)
+            ok = shm.get(seg)
+            if ok is None:
+                ok = shm[seg] = self._use_shm(p)
+            return ok
+
         while i < hi:
             if time.monotonic() > deadline:
                 log.info("event=lease_expired_mid_read loaded=%d of=%d", i, hi)
                 return i, []
             p = places[i]
-            if self._use_shm(p):
+            if use_shm(p):
+                # A run of consecutive blocks in one arena is copied in one loop.
+                j = i + 1
+                while j < hi and places[j].segment is p.segment:
+                    j += 1
                 arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)
                 # Without a lease (direct) the extent's header must name the block around the copy.
-                named = (p.key or keys[i]) if direct else b""
-                if not ShmTransport.read(arena, p.offset, p.length, dests[i], p.checksum, named, p.gen):
+                n = i + ShmTransport.read_many(arena, places[i:j], dests[i:j], keys[i:j] if direct else None, deadline)
+                if n < j:
+                    if time.monotonic() > deadline:
+                        log.info("event=lease_expired_mid_read loaded=%d of=%d", n, hi)
+                        return n, []
                     if direct:
-                        log.debug("event=stale_location transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
+                        log.debug("event=stale_location transport=shm daemon=%s index=%d", p.daemon.daemon_id, n)
                     else:
-                        log.warning("event=checksum_mismatch transport=shm daemon=%s index=%d", p.daemon.daemon_id, i)
-                    return i, [i]
-                i += 1
+                        log.warning("event=checksum_mismatch transport=shm daemon=%s index=%d", p.daemon.daemon_id, n)
+                    return n, [n]
+                i = j
                 continue
             # A run of consecutive blocks on the same daemon goes in one TCP request.
             j = i
-            while j < hi and places[j].daemon.daemon_id == p.daemon.daemon_id and not self._use_shm(places[j]):
+            while j < hi and places[j].daemon.daemon_id == p.daemon.daemon_id and not use_shm(places[j]):
                 j += 1
             items = [
                 (

@@ -99,9 +99,11 @@ class Writes:
             stored += commit.committed
             outcome = unpack(commit.status, U8, "status", len(alloc)) if commit.status else [0] * len(alloc)
             ok = [k for k, st in enumerate(outcome) if st == common_pb2.COMMIT_OK]
+            # The placement came before the bytes: it carries the checksum the block was sealed
+            # with only from here (without it a read from the remembered location would fail).
             self._known.remember(
                 [packed[alloc[k] * KEY_BYTES : (alloc[k] + 1) * KEY_BYTES] for k in ok],
-                [places[k] for k in ok],
+                [places[k]._replace(checksum=sums[k]) for k in ok],
                 read=False,
             )
             full = outcome.count(common_pb2.COMMIT_NO_SPACE)

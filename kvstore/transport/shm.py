@@ -8,19 +8,32 @@ sealed, when the metadata service commits the put (a writer cannot make bytes lo
 from __future__ import annotations
 
 import logging
+import math
 import os
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
+import xxhash
 
 from kvstore.daemon.arena import ShmArena
-from kvstore.extent import HEADER_SIZE, MAGIC, VERSION, checksum
+from kvstore.extent import HEADER_SIZE, MAGIC, VERSION
 
 _FIELDS = struct.Struct("<4sHH16sQQQ")  # the header's magic .. gen (kvstore.extent)
 
 log = logging.getLogger("kvstore.client")
+
+
+class _Extent(NamedTuple):  # the fields of a kvstore.wire.Placement that a read uses
+    offset: int
+    length: int
+    checksum: int
+    gen: int
+    key: bytes
+
+
 RETRY_S = 30.0
 
 
@@ -95,17 +108,40 @@ class ShmTransport:
         the copy. That makes a read without a lease safe: an extent is freed or reused only after
         its header is cleared (invalidation, or the next writer), so a copy that raced with reuse
         fails a check instead of returning another block's bytes."""
-        start = offset + HEADER_SIZE
-        if offset < 0 or start + length > arena.size:
-            return False
-        if key:
-            head = _FIELDS.unpack_from(arena.view, offset)
-            if head != (MAGIC, VERSION, 0, key, length, csum, gen):
-                return False
-        np.copyto(dest, arena.array[start : start + length])
-        if checksum(dest) != csum:
-            return False
-        return not key or _FIELDS.unpack_from(arena.view, offset) == head
+        place = _Extent(offset, length, csum, gen, key)
+        return ShmTransport.read_many(arena, [place], [dest], [key] if key else None, math.inf) == 1
+
+    @staticmethod
+    def read_many(
+        arena: ShmArena, places: list, dests: list[np.ndarray], keys: list[bytes] | None, deadline: float
+    ) -> int:
+        """:meth:`read` for a run of placements (``kvstore.wire.Placement``) in one arena, in
+        order, with the per-block work cut to the copy, the checksum and (with ``keys``, a read
+        without a lease) the two header comparisons. Returns how many leading blocks were loaded;
+        it stops at the first that fails, and once ``deadline`` (monotonic) passed."""
+        view, array, size = arena.view, arena.array, arena.size
+        pack, hsize, monotonic, xxh3 = _FIELDS.pack, _FIELDS.size, time.monotonic, xxhash.xxh3_64_intdigest
+        for n, p in enumerate(places):
+            if monotonic() > deadline:
+                return n
+            off = p.offset
+            start = off + HEADER_SIZE
+            length = p.length
+            if off < 0 or start + length > size:
+                return n
+            dest = dests[n]
+            if keys is not None:
+                head = pack(MAGIC, VERSION, 0, p.key or keys[n], length, p.checksum, p.gen)
+                if view[off : off + hsize] != head:
+                    return n
+                np.copyto(dest, array[start : start + length])
+                if xxh3(dest) != p.checksum or view[off : off + hsize] != head:
+                    return n
+            else:
+                np.copyto(dest, array[start : start + length])
+                if xxh3(dest) != p.checksum:
+                    return n
+        return len(places)
 
     @staticmethod
     def write(arena: ShmArena, offset: int, src: np.ndarray) -> bool:

@@ -67,6 +67,20 @@ def test_known_blocks_are_read_without_the_service(store, transport):
             assert cold.location_stats() == {"hits": 0, "stale": 0, "known": 0}
 
 
+def test_a_writer_reads_what_it_put_through_shared_memory_without_the_service(store):
+    """A put's placements are remembered with the checksums the blocks were sealed with, so the
+    first read of them after the put needs no Acquire and finds no stale location."""
+    keys = chain(8, start=4096)
+    store.wait_served()
+    with SyncKVStoreClient(store.meta_addr, ClientConfig(transport="shm")) as c:
+        assert c.put(keys, [payload(k) for k in keys]).stored == 8
+        acquires = c.stats().counters["acquires"]
+        n, out = read(c, keys)
+        assert n == 8 and all(np.array_equal(o, payload(k)) for o, k in zip(out, keys))
+        assert c.stats().counters["acquires"] == acquires
+        assert c.location_stats()["hits"] == 8 and c.location_stats()["stale"] == 0
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_stale_location_falls_back_to_the_leased_path(store, transport):
     keys = chain(4)
