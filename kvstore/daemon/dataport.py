@@ -52,6 +52,7 @@ from kvstore.transport.frames import (
     check_head,
     recv_bytes,
     recv_exact,
+    send_parts,
 )
 from kvstore.transport.sealed import REQUEST_BYTES, UPGRADE, server_upgrade
 
@@ -341,10 +342,11 @@ class DataPort:
                     self.counters["staged"] += 1
                     self.counters["staged_bytes"] += length
                     continue
-                conn.sendall(bytes((status,)))
                 if status == EntryStatus.OK:
-                    conn.sendall(payload)
+                    send_parts(conn, bytes((status,)), payload)
                     sent += length
+                else:
+                    conn.sendall(bytes((status,)))
         finally:
             # Reads still under way write into this connection's buffers (its staging slice,
             # which goes to another connection once this one closes): let them finish first.

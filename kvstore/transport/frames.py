@@ -90,6 +90,23 @@ def check_head(head: bytes) -> tuple[int, int, int]:
     return op, req_id, count
 
 
+def send_parts(sock: socket.socket, head: bytes, payload) -> None:  # noqa: ANN001 - any buffer
+    """Sends a short ``head`` and its ``payload`` in one system call where the socket allows
+    (a plain socket; TLS and sealed channels send them one after the other), so that the head
+    does not go out as a packet of its own and wake the peer for one byte."""
+    if type(sock) is not socket.socket:
+        sock.sendall(head)
+        sock.sendall(payload)
+        return
+    body = memoryview(payload).cast("B")
+    sent = sock.sendmsg([head, body])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sock.sendall(body)
+    elif sent < len(head) + len(body):
+        sock.sendall(body[sent - len(head) :])
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     """Fills ``view`` from the socket. False if the peer closed before the first byte."""
     n = len(view)
