@@ -111,8 +111,12 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     """Fills ``view`` from the socket. False if the peer closed before the first byte."""
     n = len(view)
     pos = 0
+    # A plain blocking socket fills the whole view in one call (TLS and sealed channels take no flags).
+    waitall = type(sock) is socket.socket and sock.gettimeout() is None
     while pos < n:
-        got = sock.recv_into(view[pos:], n - pos)
+        got = (
+            sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL) if waitall else sock.recv_into(view[pos:], n - pos)
+        )
         if got == 0:
             if pos == 0:
                 return False
