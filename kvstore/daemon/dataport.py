@@ -201,6 +201,10 @@ class DataPort:
         try:
             if self._ssl is not None:
                 raw = conn
+                # TLS gets the idle bound as a Python-level timeout too: on a blocking socket the
+                # ssl module retries a read that the kernel timed out, and a stalled peer would
+                # hold its connection slot for ever.
+                raw.settimeout(self.idle_timeout_s)
                 try:
                     conn = self._ssl.wrap_socket(raw, server_side=True)  # the handshake, under the idle timeout
                 except (OSError, ValueError) as e:

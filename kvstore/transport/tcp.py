@@ -73,14 +73,17 @@ class TcpTransport:
         except OSError as e:
             raise Unavailable(f"data port {addr} unreachable: {e}") from None
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # The call's timeout as kernel timeouts on a blocking socket, as the daemon does: a
-        # Python-level timeout makes the socket non-blocking, with a poll() before every recv and
-        # send, and each recv returning whatever has arrived so far.
-        s.settimeout(None)
-        tv = struct.pack("ll", int(self.timeout_s), int(self.timeout_s % 1 * 1e6))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        if self._ssl is not None:
+        if self._ssl is None:
+            # A plain socket gets the call's timeout as kernel timeouts on a blocking socket, as
+            # the daemon does: a Python-level timeout makes the socket non-blocking, with a poll()
+            # before every recv and send, each recv returning whatever has arrived so far. TLS
+            # keeps the Python-level timeout: on a blocking socket the ssl module retries a read
+            # that the kernel timed out, so a stalled peer would never be given up.
+            s.settimeout(None)
+            tv = struct.pack("ll", int(self.timeout_s), int(self.timeout_s % 1 * 1e6))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        else:
             try:
                 s = self._ssl.wrap_socket(s, server_hostname=self._server_name)
             except OSError as e:
