@@ -91,15 +91,10 @@ class LocationCache:
                 out.append(known)
         now = time.time()
         places: list[Placement] = []
-        shm: dict[int, bool] = {}  # per segment message
         for known in out:
-            p = known.place
-            ok = shm.get(id(p.segment))
-            if ok is None:
-                ok = shm[id(p.segment)] = shm_ok(p)
-            if not ok and known.tcp_until <= now:
+            if not shm_ok(known.place) and known.tcp_until <= now:
                 break
-            places.append(p)
+            places.append(known.place)
         return places
 
     def forget(self, keys: Sequence[bytes]) -> None:

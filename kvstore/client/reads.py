@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -121,7 +121,7 @@ class Reads:
         return self._read_known(key_list, dests, self._known_run(key_list, dests))
 
     def _known_run(self, keys: list[bytes], dests: list[np.ndarray]) -> list[Placement]:
-        places = self._known.run(keys, self._shm_ok)
+        places = self._known.run(keys, self._shm_judge())
         for i, p in enumerate(places):
             if dests[i].size != p.length:  # let the leased path judge (and raise) from here on
                 return places[:i]
@@ -134,12 +134,9 @@ class Reads:
         # A daemon that died or drains no longer serves its arena: its blocks are misses. Checked
         # once per call, so that a read that started before a drain completes.
         served: dict[str, bool] = {}
-        shm: dict[int, bool] = {}  # per segment message
+        shm = self._shm_judge()
         for i, p in enumerate(places):
-            ok = shm.get(id(p.segment))
-            if ok is None:
-                ok = shm[id(p.segment)] = self._shm_ok(p)
-            if ok:
+            if shm(p):
                 path = p.segment.shm_path
                 if path not in served:
                     served[path] = self._shm.arena(path, p.segment.capacity_bytes).served()
@@ -192,6 +189,21 @@ class Reads:
             return self._use_shm(p)
         except Unavailable:
             return False
+
+    def _shm_judge(self, raising: bool = False) -> Callable[[Placement], bool]:
+        """Whether placements are read through shared memory, decided once per segment message
+        (one answer's placements share them): :meth:`_use_shm`, which raises where this client
+        must use shared memory and cannot (``raising``), else :meth:`_shm_ok`."""
+        judge = self._use_shm if raising else self._shm_ok
+        memo: dict[int, bool] = {}
+
+        def shm(p: Placement) -> bool:
+            ok = memo.get(id(p.segment))
+            if ok is None:
+                ok = memo[id(p.segment)] = judge(p)
+            return ok
+
+        return shm
 
     def _touch(self, chain: bytes, n: int) -> None:
         """Queues a chain read from known locations for the next Touch (from any thread); the
@@ -256,8 +268,8 @@ class Reads:
             # Small blocks read through shared memory go in one thread: each costs a few us of
             # Python between two GIL-free calls (copy, checksum), and with two threads every
             # block hands the GIL over, which costs more than the second core gives.
-            segs = {id(p.segment): p for p in places}
-            if all(self._shm_ok(p) for p in segs.values()):
+            shm = self._shm_judge()
+            if all(shm(p) for p in places):
                 ranges = [(0, len(places))]
         futs = [
             self._chunk_pool.submit(self._read_range, keys, places, dests, deadline, lo, hi, direct)
@@ -285,15 +297,7 @@ class Reads:
         """Copies blocks lo..hi in order and stops at the first that fails. Returns (index of the
         first block not loaded, indexes to report as corrupt)."""
         i = lo
-        shm: dict[int, bool] = {}  # per segment message: read through shared memory
-
-        def use_shm(p: Placement) -> bool:
-            seg = id(p.segment)
-            ok = shm.get(seg)
-            if ok is None:
-                ok = shm[seg] = self._use_shm(p)
-            return ok
-
+        use_shm = self._shm_judge(raising=True)
         while i < hi:
             if time.monotonic() > deadline:
                 log.info("event=lease_expired_mid_read loaded=%d of=%d", i, hi)

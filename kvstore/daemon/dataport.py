@@ -23,7 +23,6 @@ import logging
 import mmap
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from kvstore.transport.frames import (
     Op,
     TicketError,
     check_head,
+    kernel_timeouts,
     recv_bytes,
     recv_exact,
     send_parts,
@@ -189,11 +189,9 @@ class DataPort:
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # The idle / stall bound as kernel timeouts on a blocking socket (a Python-level
-            # timeout would add a poll() to every recv and send of the data path).
-            tv = struct.pack("ll", int(self.idle_timeout_s), int(self.idle_timeout_s % 1 * 1e6))
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            # The idle / stall bound as kernel timeouts on a blocking socket (TLS connections
+            # get a Python-level one until they leave TLS, see _serve).
+            kernel_timeouts(conn, self.idle_timeout_s)
             threading.Thread(target=self._serve, args=(conn,), name="dataport-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -201,9 +199,8 @@ class DataPort:
         try:
             if self._ssl is not None:
                 raw = conn
-                # TLS gets the idle bound as a Python-level timeout too: on a blocking socket the
-                # ssl module retries a read that the kernel timed out, and a stalled peer would
-                # hold its connection slot for ever.
+                # TLS gets the idle bound as a Python-level timeout (see frames.kernel_timeouts):
+                # a stalled peer would otherwise hold its connection slot for ever.
                 raw.settimeout(self.idle_timeout_s)
                 try:
                     conn = self._ssl.wrap_socket(raw, server_side=True)  # the handshake, under the idle timeout

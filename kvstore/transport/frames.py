@@ -90,6 +90,18 @@ def check_head(head: bytes) -> tuple[int, int, int]:
     return op, req_id, count
 
 
+def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Makes ``sock`` blocking, with ``seconds`` as its kernel receive and send timeouts
+    (SO_RCVTIMEO / SO_SNDTIMEO): a Python-level timeout makes a socket non-blocking, with a poll()
+    before every recv and send and each recv returning whatever has arrived so far. Not for TLS
+    sockets: on a blocking socket the ssl module retries a read that a kernel timeout ended."""
+    sock.settimeout(None)
+    usec = max(1, round(seconds * 1e6))  # a zero timeval would mean no timeout at all
+    tv = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def send_parts(sock: socket.socket, head: bytes, payload) -> None:  # noqa: ANN001 - any buffer
     """Sends a short ``head`` and its ``payload`` in one system call where the socket allows
     (a plain socket; TLS and sealed channels send them one after the other), so that the head

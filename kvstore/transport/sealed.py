@@ -46,6 +46,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESOCB3
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from kvstore.transport.frames import kernel_timeouts
+
 UPGRADE = b"KVS1"
 RANDOM_BYTES = 32
 MAX_RECORD = 1 << 20
@@ -196,6 +198,17 @@ class SealedSocket:
         return self.sock.fileno()
 
 
+def _leave_tls(tls_sock) -> socket.socket:  # noqa: ANN001 - ssl.SSLSocket
+    """TLS's close_notify, then the TCP socket under it. The Python-level timeout TLS needed
+    becomes kernel timeouts on a blocking socket (frames.kernel_timeouts): records are read
+    with plain recv calls."""
+    timeout = tls_sock.gettimeout()
+    sock = tls_sock.unwrap()
+    if timeout is not None:
+        kernel_timeouts(sock, timeout)
+    return sock
+
+
 def client_upgrade(tls_sock) -> SealedSocket:  # noqa: ANN001 - ssl.SSLSocket
     """The client's side: asks for sealed records inside TLS, then leaves TLS."""
     mine, want = os.urandom(RANDOM_BYTES), preferred()
@@ -207,7 +220,7 @@ def client_upgrade(tls_sock) -> SealedSocket:  # noqa: ANN001 - ssl.SSLSocket
     if suite not in (want, GCM) or not available(suite):
         raise ConnectionError(f"the data port chose sealed-record suite {suite}, which was not offered")
     c2s, s2c = _keys(mine, bytes(reply[len(UPGRADE) + 1 :]), suite)
-    sock = tls_sock.unwrap()
+    sock = _leave_tls(tls_sock)
     return SealedSocket(sock, c2s, s2c)
 
 
@@ -220,5 +233,5 @@ def server_upgrade(tls_sock, request: bytes) -> SealedSocket:  # noqa: ANN001 - 
     mine = os.urandom(RANDOM_BYTES)
     tls_sock.sendall(UPGRADE + bytes((suite,)) + mine)
     c2s, s2c = _keys(bytes(request[1:]), mine, suite)
-    sock = tls_sock.unwrap()
+    sock = _leave_tls(tls_sock)
     return SealedSocket(sock, s2c, c2s)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from kvstore.transport.frames import (
     EntryStatus,
     FrameStatus,
     Op,
+    kernel_timeouts,
     recv_bytes,
     recv_exact,
 )
@@ -74,15 +74,7 @@ class TcpTransport:
             raise Unavailable(f"data port {addr} unreachable: {e}") from None
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl is None:
-            # A plain socket gets the call's timeout as kernel timeouts on a blocking socket, as
-            # the daemon does: a Python-level timeout makes the socket non-blocking, with a poll()
-            # before every recv and send, each recv returning whatever has arrived so far. TLS
-            # keeps the Python-level timeout: on a blocking socket the ssl module retries a read
-            # that the kernel timed out, so a stalled peer would never be given up.
-            s.settimeout(None)
-            tv = struct.pack("ll", int(self.timeout_s), int(self.timeout_s % 1 * 1e6))
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            kernel_timeouts(s, self.timeout_s)  # TLS keeps the Python-level one (see there)
         else:
             try:
                 s = self._ssl.wrap_socket(s, server_hostname=self._server_name)
