@@ -43,17 +43,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import random
 import time
 from collections.abc import Iterable
 
 from kvstore.errors import InvalidArgument, NotFound
-from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.meta.checks import Checks
 from kvstore.meta.engines import DeviceTier, EngineTier
 from kvstore.meta.membership import MAX_TOMBSTONES, Membership  # noqa: F401 - re-exported
 from kvstore.meta.policy import make_policy
 from kvstore.meta.records import (  # noqa: F401 - re-exported: the index API names them
+    COUNTERS,
     ROW,
     SEGMENT_ALIGN,
     AcquireResult,
@@ -75,33 +75,13 @@ from kvstore.meta.records import (  # noqa: F401 - re-exported: the index API na
     SegmentSpec,
     Tier,
     Tombstone,
+    expired,
 )
 from kvstore.meta.tiers import TierMoves
 from kvstore.meta.writes import Writes
 
-_COUNTERS = (
-    "lookups", "lookup_keys", "lookup_hit_keys", "acquires", "hit_keys", "miss_keys", "hit_bytes",
-    "ssd_hit_keys", "puts", "put_keys", "put_bytes", "put_ssd_keys", "dedup_keys", "no_space_keys",
-    "evictions", "evicted_bytes", "dropped_clean", "demoted", "demoted_bytes", "promoted",
-    "promoted_bytes", "moves_failed", "removed", "expired_puts", "expired_leases", "corrupt_reported",
-    "daemons_lost", "daemons_drained", "commit_failed_keys", "tombstones", "tombstones_dropped", "stall_grace",
-    "not_admitted_keys", "touches", "touched_keys",
-)  # fmt: skip
 
-
-def _expired(heap: list[tuple[float, int]], table: dict, now: float) -> list[int]:
-    """Pops the (deadline, id) entries of ``heap`` that passed; returns the ids still in
-    ``table`` whose deadline passed (the others ended earlier)."""
-    out = []
-    while heap and heap[0][0] < now:
-        _, i = heapq.heappop(heap)
-        item = table.get(i)
-        if item is not None and item.deadline < now:
-            out.append(i)
-    return out
-
-
-class Index(Membership, Writes, TierMoves, DeviceTier):
+class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
     """The metadata service's state. Every public method validates its input first and changes
     nothing when it raises."""
 
@@ -134,7 +114,7 @@ class Index(Membership, Writes, TierMoves, DeviceTier):
         # re-registration (see :meth:`take_tombstones`).
         self.tombstones: dict[str, list[Tombstone]] = {}
         self._n_tombstones = 0
-        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         # (deadline, id) of puts and leases, so that expiry costs what expires (entries of
         # puts and leases that ended earlier are skipped when they come up).
         self._put_deadlines: list[tuple[float, int]] = []
@@ -145,31 +125,6 @@ class Index(Membership, Writes, TierMoves, DeviceTier):
         (from the wall clock in ns) above those of a service that ran before it."""
         self._last_gen = max(self._last_gen + 1, time.time_ns())
         return self._last_gen
-
-    # ---- validation -------------------------------------------------------------------------
-
-    def _keys(self, packed: bytes, what: str = "keys") -> list[bytes]:
-        if len(packed) % KEY_BYTES:
-            raise InvalidArgument(
-                f"{what}: packed keys must be a multiple of {KEY_BYTES} bytes, got {len(packed)} bytes"
-            )
-        n = len(packed) // KEY_BYTES
-        if n == 0:
-            raise InvalidArgument(f"{what}: empty batch")
-        if n > self.limits.max_batch_keys:
-            raise InvalidArgument(f"{what}: batch of {n} keys is over the limit of {self.limits.max_batch_keys}")
-        return unpack_keys(packed)
-
-    def _timeout(self, value_s: float, default: float, limit: float, what: str) -> float:
-        if math.isnan(value_s):
-            raise InvalidArgument(f"{what} must be a finite number, got {value_s}")
-        if value_s < 0:
-            raise InvalidArgument(f"{what} must not be negative, got {value_s}")
-        if value_s == 0:
-            return default
-        if value_s > limit:
-            raise InvalidArgument(f"{what} of {value_s:.3f} s is over the limit of {limit:.0f} s")
-        return value_s
 
     # ---- replica bookkeeping ----------------------------------------------------------------
 
@@ -397,10 +352,10 @@ class Index(Membership, Writes, TierMoves, DeviceTier):
             self._drop_daemon(did)
             out["daemons"] += 1
         out["engines"] = self.engine_tier.expire(now)
-        for pid in _expired(self._put_deadlines, self.puts, now):
+        for pid in expired(self._put_deadlines, self.puts, now):
             self.put_abort(pid)
             out["puts"] += 1
-        for lid in _expired(self._lease_deadlines, self.leases, now):
+        for lid in expired(self._lease_deadlines, self.leases, now):
             self.release(lid)
             out["leases"] += 1
         self.counters["daemons_lost"] += out["daemons"]

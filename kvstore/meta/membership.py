@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable
 
 from kvstore.cluster.slots import arena
-from kvstore.errors import InvalidArgument
 from kvstore.extent import extent_size
 from kvstore.keys import KEY_BYTES
 from kvstore.meta.allocator import Allocator
@@ -20,7 +19,6 @@ from kvstore.meta.records import (
     InventoryItem,
     Replica,
     Segment,
-    Tier,
     Tombstone,
 )
 
@@ -29,16 +27,9 @@ from kvstore.meta.records import (
 MAX_TOMBSTONES = 1 << 20
 
 
-class Membership:
-    """Daemons joining, living, leaving; what they must forget."""
-
-    # ---- tombstones -------------------------------------------------------------------------
-
-    def _tombstone(self, rep: Replica) -> None:
-        seg = rep.segment
-        self._tombstone_item(
-            seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, rep.entry.key, rep.offset, rep.gen)
-        )
+class Tombstones:
+    """What daemons must forget, kept per daemon until delivered (a mixin over ``tombstones``,
+    ``_n_tombstones``, ``daemons`` and ``counters``; shared with the compact index)."""
 
     def _tombstone_item(self, daemon_id: str, t: Tombstone) -> None:
         self.tombstones.setdefault(daemon_id, []).append(t)
@@ -66,6 +57,16 @@ class Membership:
             self.tombstones.setdefault(daemon_id, [])[:0] = items
             self._n_tombstones += len(items)
 
+
+class Membership(Tombstones):
+    """Daemons joining, living, leaving; what they must forget."""
+
+    def _tombstone(self, rep: Replica) -> None:
+        seg = rep.segment
+        self._tombstone_item(
+            seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, rep.entry.key, rep.offset, rep.gen)
+        )
+
     # ---- daemons ----------------------------------------------------------------------------
 
     def register_daemon(self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> int:
@@ -91,19 +92,7 @@ class Membership:
         takes no puts or moves until the last; its lease is renewed at every step. A second
         registration of the same daemon meanwhile supersedes this one (which then stops).
         Bad input raises at the first step, having changed nothing."""
-        if not spec.daemon_id:
-            raise InvalidArgument("daemon_id must not be empty")
-        seg_ids = [s.segment_id for s in spec.segments]
-        if len(set(seg_ids)) != len(seg_ids):
-            raise InvalidArgument(f"daemon {spec.daemon_id}: duplicate segment ids {seg_ids}")
-        for s in spec.segments:
-            if s.capacity <= 0:
-                raise InvalidArgument(f"segment {s.segment_id}: capacity must be positive, got {s.capacity}")
-            if s.tier not in (Tier.DRAM, Tier.SSD):
-                raise InvalidArgument(f"segment {s.segment_id}: tier {int(s.tier)} cannot hold blocks (DRAM=1, SSD=2)")
-        for seg_id in inventory:
-            if seg_id not in seg_ids:
-                raise InvalidArgument(f"inventory names unknown segment {seg_id}")
+        self._daemon_args(spec, inventory)
         if spec.daemon_id in self.daemons:
             self._drop_daemon(spec.daemon_id)
         now = self.clock.now()

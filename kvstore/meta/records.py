@@ -6,6 +6,7 @@ every change.
 
 from __future__ import annotations
 
+import heapq
 import struct
 import time
 from collections import OrderedDict
@@ -278,3 +279,25 @@ class IndexLimits:
     # allocates only in its arena of each segment (kvstore.cluster.slots.arena).
     shard: int = 0
     shards: int = 1
+
+
+COUNTERS = (  # the index's counters (Stats, metrics)
+    "lookups", "lookup_keys", "lookup_hit_keys", "acquires", "hit_keys", "miss_keys", "hit_bytes",
+    "ssd_hit_keys", "puts", "put_keys", "put_bytes", "put_ssd_keys", "dedup_keys", "no_space_keys",
+    "evictions", "evicted_bytes", "dropped_clean", "demoted", "demoted_bytes", "promoted",
+    "promoted_bytes", "moves_failed", "removed", "expired_puts", "expired_leases", "corrupt_reported",
+    "daemons_lost", "daemons_drained", "commit_failed_keys", "tombstones", "tombstones_dropped", "stall_grace",
+    "not_admitted_keys", "touches", "touched_keys",
+)  # fmt: skip
+
+
+def expired(heap: list[tuple[float, int]], table: dict, now: float) -> list[int]:
+    """Pops the (deadline, id) entries of ``heap`` that passed; returns the ids still in
+    ``table`` whose deadline passed (the others ended earlier)."""
+    out = []
+    while heap and heap[0][0] < now:
+        _, i = heapq.heappop(heap)
+        item = table.get(i)
+        if item is not None and item.deadline < now:
+            out.append(i)
+    return out

@@ -13,6 +13,7 @@ from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.extent import extent_size
 from kvstore.meta.records import (
     CommitStatus,
+    Daemon,
     Entry,
     PendingCommit,
     Put,
@@ -24,6 +25,20 @@ from kvstore.meta.records import (
 )
 
 _DECLINED = object()  # _allocate: the cache policy did not admit the block
+
+
+def placement_order(daemons: Iterable[Daemon], host_id: str, excluded: set[str]) -> list[Segment]:
+    """Where a put's blocks go, in order: DRAM segments (same host first, then most free), then
+    SSD segments likewise; not on daemons still adopting their inventory or ``excluded``."""
+    segs = [
+        s
+        for d in daemons
+        if d.spec.daemon_id not in excluded and not d.adopting
+        for s in d.segments.values()
+        if s.spec.tier in (Tier.DRAM, Tier.SSD)
+    ]
+    segs.sort(key=lambda s: (int(s.spec.tier), s.daemon.spec.host_id != host_id, -s.alloc.free))
+    return segs
 
 
 class Writes:
@@ -40,14 +55,7 @@ class Writes:
         exclude: Iterable[str] = (),
     ) -> PutStartResult:
         keys = self._keys(packed_keys)
-        if len(sizes) != len(keys):
-            raise InvalidArgument(f"sizes: {len(sizes)} sizes for {len(keys)} keys")
-        for i, s in enumerate(sizes):
-            if s <= 0 or s > self.limits.max_block_bytes:
-                raise InvalidArgument(f"sizes[{i}]: block size {s} must be in [1, {self.limits.max_block_bytes}]")
-        if len(set(keys)) != len(keys):
-            raise InvalidArgument("keys: a batch must not repeat a key")
-        timeout = self._timeout(timeout_s, self.limits.put_timeout_s, self.limits.max_put_timeout_s, "put timeout")
+        timeout = self._put_args(keys, sizes, timeout_s)
         excluded = set(exclude)
         segments = self._placement_order(host_id, excluded)
         if not segments:
@@ -117,16 +125,7 @@ class Writes:
         return PutStartResult(put_id, status, placements, timeout)
 
     def _placement_order(self, host_id: str, excluded: set[str]) -> list[Segment]:
-        """DRAM segments (same host first, then most free), then SSD segments likewise."""
-        segs = [
-            s
-            for d in self.daemons.values()
-            if d.spec.daemon_id not in excluded and not d.adopting
-            for s in d.segments.values()
-            if s.spec.tier in (Tier.DRAM, Tier.SSD)
-        ]
-        segs.sort(key=lambda s: (int(s.spec.tier), s.daemon.spec.host_id != host_id, -s.alloc.free))
-        return segs
+        return placement_order(self.daemons.values(), host_id, excluded)
 
     def _allocate(self, segments: list[Segment], length: int, key: bytes = b"") -> tuple[Segment, int] | object | None:
         """Room for a block of ``length`` bytes: free space in the first segment that has it,

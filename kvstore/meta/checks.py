@@ -1,0 +1,71 @@
+"""Argument checks that every index implementation makes the same way (the object index,
+:class:`kvstore.meta.index.Index`, and the compact one, :class:`kvstore.meta.compact.CompactIndex`):
+batches of keys, timeouts, a put's sizes, a daemon's registration. A mixin over ``limits``; each
+raises :class:`~kvstore.errors.InvalidArgument` saying what is wrong, having changed nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.meta.records import DaemonSpec, InventoryItem, Tier
+
+
+class Checks:
+    """Validation of the index's inputs (needs ``self.limits``, an IndexLimits)."""
+
+    def _count_keys(self, packed: bytes, what: str = "keys") -> int:
+        if len(packed) % KEY_BYTES:
+            raise InvalidArgument(
+                f"{what}: packed keys must be a multiple of {KEY_BYTES} bytes, got {len(packed)} bytes"
+            )
+        n = len(packed) // KEY_BYTES
+        if n == 0:
+            raise InvalidArgument(f"{what}: empty batch")
+        if n > self.limits.max_batch_keys:
+            raise InvalidArgument(f"{what}: batch of {n} keys is over the limit of {self.limits.max_batch_keys}")
+        return n
+
+    def _keys(self, packed: bytes, what: str = "keys") -> list[bytes]:
+        self._count_keys(packed, what)
+        return unpack_keys(packed)
+
+    def _timeout(self, value_s: float, default: float, limit: float, what: str) -> float:
+        if math.isnan(value_s):
+            raise InvalidArgument(f"{what} must be a finite number, got {value_s}")
+        if value_s < 0:
+            raise InvalidArgument(f"{what} must not be negative, got {value_s}")
+        if value_s == 0:
+            return default
+        if value_s > limit:
+            raise InvalidArgument(f"{what} of {value_s:.3f} s is over the limit of {limit:.0f} s")
+        return value_s
+
+    def _put_args(self, keys: list[bytes], sizes: list[int], timeout_s: float) -> float:
+        """Checks a put's sizes against its keys; returns its timeout."""
+        if len(sizes) != len(keys):
+            raise InvalidArgument(f"sizes: {len(sizes)} sizes for {len(keys)} keys")
+        for i, s in enumerate(sizes):
+            if s <= 0 or s > self.limits.max_block_bytes:
+                raise InvalidArgument(f"sizes[{i}]: block size {s} must be in [1, {self.limits.max_block_bytes}]")
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("keys: a batch must not repeat a key")
+        return self._timeout(timeout_s, self.limits.put_timeout_s, self.limits.max_put_timeout_s, "put timeout")
+
+    @staticmethod
+    def _daemon_args(spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> None:
+        if not spec.daemon_id:
+            raise InvalidArgument("daemon_id must not be empty")
+        seg_ids = [s.segment_id for s in spec.segments]
+        if len(set(seg_ids)) != len(seg_ids):
+            raise InvalidArgument(f"daemon {spec.daemon_id}: duplicate segment ids {seg_ids}")
+        for s in spec.segments:
+            if s.capacity <= 0:
+                raise InvalidArgument(f"segment {s.segment_id}: capacity must be positive, got {s.capacity}")
+            if s.tier not in (Tier.DRAM, Tier.SSD):
+                raise InvalidArgument(f"segment {s.segment_id}: tier {int(s.tier)} cannot hold blocks (DRAM=1, SSD=2)")
+        for seg_id in inventory:
+            if seg_id not in seg_ids:
+                raise InvalidArgument(f"inventory names unknown segment {seg_id}")

@@ -1,0 +1,179 @@
+"""Writes to the compact index (:class:`kvstore.meta.compact.CompactIndex`): a put's blocks
+placed in chain order (same host first, DRAM before SSD, :func:`kvstore.meta.writes.placement_order`),
+room made by evicting each segment's least recently used blocks, and the commit that makes them
+visible. A mixin over the compact index's state (``table``, ``segments``, ``daemons``, ``puts``,
+``counters``), as :mod:`kvstore.meta.writes` is for the object index.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvstore.extent import extent_size
+from kvstore.keys import KEY_BYTES
+from kvstore.meta.records import PutStartResult, PutStatus, Segment, Tier
+from kvstore.meta.table import HELD, LIVE, WRITTEN, words
+from kvstore.meta.writes import placement_order
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class Put:
+    put_id: int
+    deadline: float
+    keys: bytes  # the whole request, packed, for touching the chain on commit
+    rows: np.ndarray  # the allocated blocks, in placement order
+    gens: np.ndarray  # their generations: a row reused since (its daemon was lost) is not theirs
+
+
+class CompactWrites:
+    """PutStart, PutCommit and PutAbort over the block table."""
+
+    def put_start(
+        self,
+        packed_keys: bytes,
+        sizes: list[int],
+        host_id: str = "",
+        timeout_s: float = 0.0,
+        exclude: Iterable[str] = (),
+    ) -> PutStartResult:
+        """Reserves extents for a put's new blocks (see ``Index.put_start``); placements are rows."""
+        q, rows, ready = self._find(packed_keys)
+        keys = [packed_keys[i : i + KEY_BYTES] for i in range(0, len(packed_keys), KEY_BYTES)]
+        timeout = self._put_args(keys, sizes, timeout_s)
+        excluded = set(exclude)
+        segments = placement_order(self.daemons.values(), host_id, excluded)
+        if not segments:
+            why = f" (excluded: {', '.join(sorted(excluded))})" if excluded else ""
+            raise Unavailable(f"no live daemon with a segment to place blocks on{why}")
+        for i, s in enumerate(sizes):
+            if not any(extent_size(s, seg.align) <= seg.alloc.capacity for seg in segments):
+                biggest = max(seg.alloc.capacity for seg in segments)
+                raise InvalidArgument(f"sizes[{i}]: block of {s} bytes is larger than any segment ({biggest} bytes)")
+        t = self.table
+        put_id = next(self._put_ids)
+        # The request's stored keys are not evicted to make room for its new ones.
+        held = rows[rows >= 0]
+        held = held[t.evictable(held)]
+        t.flags[held] |= HELD
+        status: list[int] = []
+        placed: list[tuple[int, Segment, int, int]] = []  # (key index, segment, offset, length)
+        try:
+            gap = 0
+            for i, size in enumerate(sizes):
+                if rows[i] >= 0:
+                    status.append(PutStatus.SKIP_EXISTS if ready[i] else PutStatus.SKIP_INFLIGHT)
+                    continue
+                got = None if gap else self._allocate(segments, size)
+                if got is None:
+                    gap = PutStatus.NO_SPACE
+                    status.append(gap)
+                    continue
+                placed.append((i, got[0], got[1], size))
+                status.append(PutStatus.ALLOCATED)
+        finally:
+            t.flags[held] &= 0xFF ^ HELD
+            held = held[::-1]
+            t.stamp(held[t.evictable(held)])
+        n_skip = sum(1 for s in status if s in (PutStatus.SKIP_EXISTS, PutStatus.SKIP_INFLIGHT))
+        n_nospace = status.count(PutStatus.NO_SPACE)
+        if not placed and n_nospace:
+            self.counters["no_space_keys"] += n_nospace
+            raise ResourceExhausted(
+                f"no space for {n_nospace} blocks: every evictable block is leased, pinned or being written"
+            )
+        self.counters["dedup_keys"] += n_skip
+        self.counters["no_space_keys"] += n_nospace
+        self.counters["puts"] += 1
+        if not placed:
+            self._touch_rows(rows)
+            return PutStartResult(put_id, status, _NONE, timeout)
+        idx = np.array([p[0] for p in placed], dtype=np.int64)
+        new = t.add(q[idx])
+        t.seg[new] = [p[1].ref for p in placed]
+        t.off[new] = [p[2] for p in placed]
+        t.size[new] = [extent_size(p[3], p[1].align) for p in placed]
+        t.length[new] = [p[3] for p in placed]
+        t.gen[new] = self._gens(len(new))
+        for p in placed:
+            p[1].blocks += 1
+        deadline = self.clock.now() + timeout
+        self.puts[put_id] = Put(put_id, deadline, packed_keys, new, t.gen[new].copy())
+        heapq.heappush(self._put_deadlines, (deadline, put_id))
+        return PutStartResult(put_id, status, new, timeout)
+
+    def _allocate(self, segments: list[Segment], length: int) -> tuple[Segment, int] | None:
+        """Room for a block: free space in the first segment that has it, else space made by
+        evicting least recently used blocks, preferred segment first."""
+        for seg in segments:
+            off = seg.alloc.alloc(extent_size(length, seg.align))
+            if off is not None:
+                return seg, off
+        t = self.table
+        for seg in segments:
+            size = extent_size(length, seg.align)
+            while True:
+                victim = t.oldest(seg.ref)
+                if victim < 0:
+                    break
+                self.counters["evictions"] += 1
+                self.counters["evicted_bytes"] += int(t.length[victim])
+                self._drop(victim)
+                off = seg.alloc.alloc(size)
+                if off is not None:
+                    return seg, off
+        return None
+
+    def _put_rows(self, put: Put) -> np.ndarray:
+        """Which of the put's rows are still its blocks (a lost daemon's were dropped)."""
+        t = self.table
+        return ((t.flags[put.rows] & LIVE) != 0) & (t.gen[put.rows] == put.gens)
+
+    def put_commit(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> int:
+        """Makes a put's written blocks visible; returns how many (see ``Index.put_commit``)."""
+        put = self.puts.get(put_id)
+        if put is not None and put.deadline < self.clock.now():
+            self.put_abort(put_id)
+            self.counters["expired_puts"] += 1
+            put = None
+        if put is None:
+            raise Expired(f"put {put_id} is unknown or past its deadline: its reservation was reclaimed")
+        n = len(put.rows)
+        if len(checksums) != n:
+            raise InvalidArgument(f"checksums: {len(checksums)} for {n} allocated blocks of put {put_id}")
+        if written is not None and len(written) != n:
+            raise InvalidArgument(f"written: {len(written)} flags for {n} allocated blocks of put {put_id}")
+        del self.puts[put_id]
+        t = self.table
+        mine = self._put_rows(put)
+        if written is not None:
+            for row in put.rows[mine & ~np.array(written, dtype=bool)].tolist():
+                self._drop(row)
+            mine &= np.array(written, dtype=bool)
+        rows = put.rows[mine]
+        t.csum[rows] = np.array(checksums, dtype=np.uint64)[mine]
+        t.flags[rows] |= WRITTEN
+        t.set_ready(rows)
+        t.stamp(rows[t.evictable(rows)])
+        self.counters["put_keys"] += len(rows)
+        self.counters["put_bytes"] += int(t.length[rows].sum(dtype=np.uint64))
+        for ref in np.unique(t.seg[rows]).tolist():
+            if self.segments[ref].spec.tier == Tier.SSD:
+                self.counters["put_ssd_keys"] += int((t.seg[rows] == ref).sum())
+        self._touch_rows(t.find(words(put.keys)))
+        return len(rows)
+
+    def put_abort(self, put_id: int) -> int:
+        put = self.puts.pop(put_id, None)
+        if put is None:
+            raise NotFound(f"put {put_id} is unknown (already committed, aborted or expired)")
+        rows = put.rows[self._put_rows(put)].tolist()
+        for row in rows:
+            self._drop(row)
+        return len(rows)

@@ -1,0 +1,371 @@
+"""The compact index's block table: every block's state in fixed-width columns (numpy arrays),
+found through an open-addressing hash table of row numbers keyed by the 128-bit block key.
+
+No Python object exists per block: a block is a row, its key two 64-bit words, its replica
+(segment, extent, checksum, generation), its recency stamp, its lease count and its flags
+columns of that row. Memory per block is the columns' width (:data:`ROW_BYTES`) over the rows'
+fill, plus 4 bytes over the hash table's fill, whatever the number of blocks; a batch lookup
+is a handful of vectorised gathers (one per probe round), whose cost does not grow with the
+table but for cache misses.
+
+Hashing. Slots are linear-probed; the slot of a key is a multiply-shift hash of both its
+words with per-table random multipliers, so that keys chosen by a client cannot be aimed at one
+probe run without knowing them (keys are already hashes, but a tenant sends the bytes it likes).
+Deletion shifts the run back (no tombstone slots), so probe runs stay as short as the fill.
+
+Recency. Every event that makes a block most recently used (committed, touched, released by its
+last lease, unpinned) gives it the next value of one counter; the least recently used
+evictable block of a segment is the one with the smallest stamp. Eviction takes victims from a
+per-segment list of the oldest evictable rows, computed in one vectorised pass and consumed in
+order: a row whose stamp changed since, or that stopped being evictable, is skipped. The list
+stays exact because stamps only grow: a row that was not among the oldest then is younger than
+every row on the list, and a row becomes evictable again only with a new stamp.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from kvstore.keys import KEY_BYTES
+
+# Flags.
+LIVE = 1  # in the hash table (a stored or pending block)
+READY = 2  # committed: readable
+PINNED = 4
+WRITTEN = 8  # its daemon may hold it committed: dropping it needs a tombstone
+HELD = 16  # kept out of eviction for the duration of one call
+
+_COLUMNS = (
+    ("kw", np.uint64, 2),  # the key, as its two little-endian words side by side (one cache line)
+    ("seg", np.uint32, 1),  # segment ref (kvstore.meta.records.Segment.ref)
+    ("off", np.uint64, 1), ("size", np.uint32, 1),  # the extent in the segment
+    ("length", np.uint32, 1),  # payload bytes
+    ("csum", np.uint64, 1), ("gen", np.uint64, 1),
+    ("recent", np.uint64, 1),  # recency: larger is more recent
+    ("leases", np.uint32, 1), ("flags", np.uint8, 1),
+)  # fmt: skip
+ROW_BYTES = sum(np.dtype(t).itemsize * w for _, t, w in _COLUMNS)
+_M64 = (1 << 64) - 1
+_TAG = 0x7FFFFFFF  # a slot holds tag << 32 | ready << 31 | row (row < 2**31); -1 is empty
+_SLOT_READY = 1 << 31
+_MIN_SLOTS = 1 << 10
+_MAX_FILL = 0.7  # of the hash table, before it doubles
+_WINDOW = 8  # slots compared per probe round (64 bytes: one cache line, mostly)
+_SCALAR = 32  # keys left at which probing goes on key by key
+_GROW = 1.5  # rows grow by half
+_NO_ROWS = np.empty(0, dtype=np.int64)
+
+
+_KEY = np.dtype((np.void, KEY_BYTES))
+
+
+def words(packed: bytes) -> np.ndarray:
+    """Packed 16-byte keys as an (n, 2) array of their low and high 64-bit words."""
+    return np.frombuffer(packed, dtype="<u8").reshape(-1, 2)
+
+
+def _as_keys(w: np.ndarray) -> np.ndarray:
+    """(n, 2) words as n 16-byte values, compared in one operation."""
+    return np.ascontiguousarray(w).view(_KEY).ravel()
+
+
+class BlockTable:
+    """Rows of block state and the hash table that finds them. Pure state, no locking."""
+
+    def __init__(self, rows: int = 1024, seed: int | None = None) -> None:
+        rnd = random.Random(seed)
+        self._m1 = rnd.getrandbits(64) | 1
+        self._m2 = rnd.getrandbits(64) | 1
+        self._s = rnd.getrandbits(64)
+        self._np_s, self._np_m1, self._np_m2 = np.uint64(self._s), np.uint64(self._m1), np.uint64(self._m2)
+        self._np_tag = np.uint64(_TAG)
+        self.cap = max(16, rows)
+        for name, t, w in _COLUMNS:
+            setattr(self, name, np.zeros((self.cap, w) if w > 1 else self.cap, dtype=t))
+        self.n_rows = 0  # rows ever used (a high-water mark); free ones are on _free
+        self._free = np.empty(64, dtype=np.int64)
+        self._n_free = 0
+        self.live = 0  # rows in the hash table
+        bits = max(_MIN_SLOTS, 1 << int(np.ceil(np.log2(max(1, rows) / _MAX_FILL)))).bit_length() - 1
+        self._set_slots(bits)
+        self._clock = 0  # the last stamp given
+        # Per segment ref: (rows, their stamps then, next position) of the oldest evictable rows.
+        self._oldest: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+
+    # ---- hashing ----------------------------------------------------------------------------
+
+    def _set_slots(self, bits: int) -> None:
+        self.bits = bits
+        self.mask = (1 << bits) - 1
+        self.slots = np.full(1 << bits, -1, dtype=np.int64)
+        self._np_shift = np.uint64(64 - bits)
+
+    def _hash_v(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(home slot, tag) of each key: the hash's top bits and its low 31 bits."""
+        h = (lo ^ self._np_s) * self._np_m1 + hi * self._np_m2
+        return (h >> self._np_shift).astype(np.int64), (h & self._np_tag).astype(np.int64)
+
+    def _home(self, row: int) -> int:
+        lo, hi = int(self.kw[row, 0]), int(self.kw[row, 1])
+        return (((lo ^ self._s) * self._m1 + hi * self._m2) & _M64) >> (64 - self.bits)
+
+    def find(self, q: np.ndarray) -> np.ndarray:
+        """The row of each key ((n, 2) words), -1 where it is not in the table."""
+        return self._probe(q)[0]
+
+    def find_ready(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The row of each key and whether it is committed (READY), from the hash table alone:
+        a lookup touches a slot window and a key per block, not the block's other columns."""
+        rows, pos = self._probe(q)
+        ready = rows >= 0
+        ready[ready] = (self.slots[pos[ready]] & _SLOT_READY) != 0
+        return rows, ready
+
+    def set_ready(self, rows: np.ndarray) -> None:
+        """Marks stored rows committed (READY), in their flags and their hash slots."""
+        self.flags[rows] |= READY
+        self.slots[self._probe(self.kw[rows])[1]] |= _SLOT_READY
+
+    def _probe(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row, slot) of each key, -1 where it is not in the table. The first round looks at
+        each key's home slot alone (where most keys are); then each round compares a window of
+        slots by tag; a tag that matches is checked against the row's key; the few keys left at
+        the end of long probe runs go one by one."""
+        n = len(q)
+        out = np.full(n, -1, dtype=np.int64)
+        at_slot = np.full(n, -1, dtype=np.int64)
+        if n == 0 or self.live == 0:
+            return out, at_slot
+        slots, mask, steps = self.slots, self.mask, np.arange(_WINDOW)
+        kw, qk = _as_keys(self.kw), _as_keys(q)
+        slot, tag = self._hash_v(q[:, 0], q[:, 1])
+        v = slots[slot]
+        full = v >= 0
+        row = v & _TAG
+        match = full & ((v >> 32) == tag)
+        r = row[match]
+        ok = match.copy()
+        ok[match] = kw[r] == qk[match]
+        out[ok] = row[ok]
+        at_slot[ok] = slot[ok]
+        go = full & ~ok
+        todo = np.flatnonzero(go)
+        slot, tag = (slot[go] + 1) & mask, tag[go]
+        while len(todo) > _SCALAR:
+            v = slots[(slot[:, None] + steps) & mask]
+            empty = v < 0
+            stop = empty | ((v >> 32) == tag[:, None])
+            j = stop.argmax(1)
+            stopped = stop[np.arange(len(j)), j]
+            at = v[np.arange(len(j)), j]
+            cand = stopped & (at >= 0)
+            row = at & _TAG
+            ok = cand.copy()
+            r = row[cand]
+            ok[cand] = kw[r] == qk[todo[cand]]
+            out[todo[ok]] = row[ok]
+            at_slot[todo[ok]] = ((slot + j) & mask)[ok]
+            # On: past a window with no stop, or past a tag that matched another key.
+            go = ~stopped | (cand & ~ok)
+            nxt = np.where(stopped, slot + j + 1, slot + _WINDOW) & mask
+            todo, slot, tag = todo[go], nxt[go], tag[go]
+        for i, sl, tg in zip(todo.tolist(), slot.tolist(), tag.tolist()):
+            key = qk[i]
+            while (v := int(slots[sl])) >= 0:
+                if v >> 32 == tg and kw[v & _TAG] == key:
+                    out[i] = v & _TAG
+                    at_slot[i] = sl
+                    break
+                sl = (sl + 1) & mask
+        return out, at_slot
+
+    def _insert_v(self, rows: np.ndarray) -> None:
+        """Hashes rows whose keys are not in the table (and are distinct)."""
+        slot, tag = self._hash_v(self.kw[rows, 0], self.kw[rows, 1])
+        tag = (tag << 32) | np.where(self.flags[rows] & READY, _SLOT_READY, 0)  # the slot's upper half
+        todo = rows.astype(np.int64)
+        slots, mask, steps = self.slots, self.mask, np.arange(_WINDOW)
+        while todo.size:
+            empty = slots[(slot[:, None] + steps) & mask] < 0
+            j = empty.argmax(1)
+            has = empty[np.arange(len(j)), j]
+            target = (slot + j) & mask
+            # One row per empty slot this round; the others probe on from where they were.
+            cand = np.flatnonzero(has)
+            _, first = np.unique(target[cand], return_index=True)
+            win = cand[first]
+            slots[target[win]] = tag[win] | todo[win]
+            keep = np.ones(todo.size, dtype=bool)
+            keep[win] = False
+            slot = np.where(has, slot, slot + _WINDOW) & mask
+            todo, slot, tag = todo[keep], slot[keep], tag[keep]
+
+    def _unhash(self, row: int) -> None:
+        """Takes ``row`` out of the hash table, shifting the rest of its probe run back."""
+        slots, mask = self.slots, self.mask
+        i = self._home(row)
+        while int(slots[i]) & _TAG != row or slots[i] < 0:
+            i = (i + 1) & mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            v = int(slots[j])
+            if v < 0:
+                break
+            h = self._home(v & _TAG)
+            # It stays where it is if its home lies cyclically in (i, j].
+            if (i < h <= j) if i <= j else (h > i or h <= j):
+                continue
+            slots[i] = v
+            i = j
+        slots[i] = -1
+
+    # ---- rows -------------------------------------------------------------------------------
+
+    def _grow_rows(self, need: int) -> None:
+        cap = max(need, int(self.cap * _GROW))
+        for name, _, _ in _COLUMNS:
+            old = getattr(self, name)
+            new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+            new[: self.n_rows] = old[: self.n_rows]
+            setattr(self, name, new)
+        self.cap = cap
+
+    def add(self, q: np.ndarray) -> np.ndarray:
+        """New rows (flags LIVE, other columns zero) for keys ((n, 2) words) not in the table,
+        distinct."""
+        n = len(q)
+        reuse = min(n, self._n_free)
+        rows = np.empty(n, dtype=np.int64)
+        rows[:reuse] = self._free[self._n_free - reuse : self._n_free]
+        self._n_free -= reuse
+        fresh = n - reuse
+        if self.n_rows + fresh > self.cap:
+            self._grow_rows(self.n_rows + fresh)
+        rows[reuse:] = np.arange(self.n_rows, self.n_rows + fresh)
+        self.n_rows += fresh
+        for name, _, _ in _COLUMNS:
+            getattr(self, name)[rows] = 0
+        self.kw[rows] = q
+        self.flags[rows] = LIVE
+        self.live += n
+        if self.live > _MAX_FILL * len(self.slots):
+            self._rehash(self.bits + max(1, int(np.ceil(np.log2(self.live / (_MAX_FILL * len(self.slots)))))))
+        else:
+            self._insert_v(rows)
+        return rows
+
+    def _rehash(self, bits: int) -> None:
+        self._set_slots(bits)
+        rows = np.flatnonzero(self.flags[: self.n_rows] & LIVE)
+        self._insert_v(rows)
+
+    def unlink(self, row: int) -> None:
+        """The block leaves the table (its row stays until :meth:`free`: leases may hold it)."""
+        self._unhash(row)
+        self.flags[row] &= 0xFF ^ (LIVE | READY)
+        self.live -= 1
+
+    def free(self, row: int) -> None:
+        """Returns an unlinked row for reuse."""
+        self.flags[row] = 0
+        if self._n_free == len(self._free):
+            self._free = np.resize(self._free, 2 * len(self._free))
+        self._free[self._n_free] = row
+        self._n_free += 1
+
+    def key(self, row: int) -> bytes:
+        return self.kw[row].astype("<u8").tobytes()
+
+    def keys(self, rows: np.ndarray) -> bytes:
+        """The packed keys of ``rows``."""
+        return self.kw[rows].astype("<u8").tobytes()
+
+    # ---- recency ----------------------------------------------------------------------------
+
+    def evictable(self, rows: np.ndarray) -> np.ndarray:
+        f = self.flags[rows]
+        return ((f & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)) & (self.leases[rows] == 0)
+
+    def is_evictable(self, row: int) -> bool:
+        return (int(self.flags[row]) & (LIVE | READY | PINNED | HELD)) == (LIVE | READY) and self.leases[row] == 0
+
+    def stamp(self, rows: np.ndarray) -> None:
+        """Makes ``rows`` the most recently used, the last of them most recent."""
+        n = len(rows)
+        if n:
+            self.recent[rows] = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.uint64)
+            self._clock += n
+
+    def stamp_one(self, row: int) -> None:
+        self._clock += 1
+        self.recent[row] = self._clock
+
+    def oldest(self, seg_ref: int, batch: int = 0) -> int:
+        """The least recently used evictable row of segment ``seg_ref``, -1 if none."""
+        rows, stamps, pos = self._oldest.get(seg_ref, (_NO_ROWS, _NO_ROWS, 0))
+        recent, flags, leases, seg = self.recent, self.flags, self.leases, self.seg
+        while True:
+            while pos < len(rows):
+                r = int(rows[pos])
+                if (
+                    recent[r] == stamps[pos]
+                    and seg[r] == seg_ref
+                    and (flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)
+                    and leases[r] == 0
+                ):
+                    self._oldest[seg_ref] = (rows, stamps, pos)
+                    return r
+                pos += 1
+            rows, stamps = self._oldest_pass(seg_ref, batch)
+            pos = 0
+            if not len(rows):
+                self._oldest.pop(seg_ref, None)
+                return -1
+
+    def _oldest_pass(self, seg_ref: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        n = self.n_rows
+        f = self.flags[:n]
+        ok = (
+            ((f & (LIVE | READY | PINNED | HELD)) == (LIVE | READY))
+            & (self.leases[:n] == 0)
+            & (self.seg[:n] == seg_ref)
+        )
+        cand = np.flatnonzero(ok)
+        # Enough for many evictions per pass (a pass costs the whole table), few enough to sort
+        # and hold (16 bytes each).
+        want = batch or max(256, min(len(cand) // 16, 1 << 20))
+        st = self.recent[cand]
+        if len(cand) > want:
+            part = np.argpartition(st, want - 1)[:want]
+            cand, st = cand[part], st[part]
+        order = np.argsort(st, kind="stable")
+        return cand[order], st[order]
+
+    def forget_segment(self, seg_ref: int) -> None:
+        self._oldest.pop(seg_ref, None)
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        """Bytes held by the columns, the hash table and the free-row stack."""
+        return sum(getattr(self, n).nbytes for n, _, _ in _COLUMNS) + self.slots.nbytes + self._free.nbytes
+
+    def check_integrity(self) -> None:
+        live = np.flatnonzero(self.flags[: self.n_rows] & LIVE)
+        assert len(live) == self.live, f"live rows {len(live)} != {self.live}"
+        found = self.find(self.kw[live])
+        assert (found == live).all(), "a live row is not found by its key"
+        held = self.slots[self.slots >= 0]
+        in_slots = held & _TAG
+        assert (np.sort(in_slots) == np.sort(live)).all(), "the hash table does not hold exactly the live rows"
+        ready = (held & _SLOT_READY) != 0
+        assert (ready == ((self.flags[in_slots] & READY) != 0)).all(), "a slot's ready bit is not its row's"
+        free = self._free[: self._n_free]
+        assert len(set(free.tolist())) == len(free), "a row is free twice"
+        assert not (self.flags[free] & LIVE).any(), "a free row is live"
+
+
+assert KEY_BYTES == 16  # two 64-bit words per key
