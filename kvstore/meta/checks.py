@@ -55,6 +55,17 @@ class Checks:
         return self._timeout(timeout_s, self.limits.put_timeout_s, self.limits.max_put_timeout_s, "put timeout")
 
     @staticmethod
+    def _commit_args(put_id: int, n: int, checksums: list[int], written: list[bool] | None) -> None:
+        """Checks a commit's checksums (one 64-bit value per allocated block) and written flags."""
+        if len(checksums) != n:
+            raise InvalidArgument(f"checksums: {len(checksums)} for {n} allocated blocks of put {put_id}")
+        for i, c in enumerate(checksums):
+            if not 0 <= c < 1 << 64:
+                raise InvalidArgument(f"checksums[{i}]: {c} is not a 64-bit checksum")
+        if written is not None and len(written) != n:
+            raise InvalidArgument(f"written: {len(written)} flags for {n} allocated blocks of put {put_id}")
+
+    @staticmethod
     def _daemon_args(spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> None:
         if not spec.daemon_id:
             raise InvalidArgument("daemon_id must not be empty")

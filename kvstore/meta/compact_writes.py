@@ -144,11 +144,7 @@ class CompactWrites:
             put = None
         if put is None:
             raise Expired(f"put {put_id} is unknown or past its deadline: its reservation was reclaimed")
-        n = len(put.rows)
-        if len(checksums) != n:
-            raise InvalidArgument(f"checksums: {len(checksums)} for {n} allocated blocks of put {put_id}")
-        if written is not None and len(written) != n:
-            raise InvalidArgument(f"written: {len(written)} flags for {n} allocated blocks of put {put_id}")
+        self._commit_args(put_id, len(put.rows), checksums, written)
         del self.puts[put_id]
         t = self.table
         mine = self._put_rows(put)

@@ -28,6 +28,7 @@ import random
 
 import numpy as np
 
+from kvstore.errors import ResourceExhausted
 from kvstore.keys import KEY_BYTES
 
 # Flags.
@@ -242,6 +243,9 @@ class BlockTable:
         rows[:reuse] = self._free[self._n_free - reuse : self._n_free]
         self._n_free -= reuse
         fresh = n - reuse
+        if self.n_rows + fresh > _TAG:
+            self._n_free += reuse  # nothing taken
+            raise ResourceExhausted(f"the block table is full ({_TAG} rows): split the index into more shards")
         if self.n_rows + fresh > self.cap:
             self._grow_rows(self.n_rows + fresh)
         rows[reuse:] = np.arange(self.n_rows, self.n_rows + fresh)

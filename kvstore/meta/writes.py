@@ -184,14 +184,7 @@ class Writes:
             put = None
         if put is None:
             raise Expired(f"put {put_id} is unknown or past its deadline: its reservation was reclaimed")
-        if len(checksums) != len(put.entries):
-            raise InvalidArgument(
-                f"checksums: {len(checksums)} for {len(put.entries)} allocated blocks of put {put_id}"
-            )
-        if written is not None and len(written) != len(put.entries):
-            raise InvalidArgument(
-                f"written: {len(written)} flags for {len(put.entries)} allocated blocks of put {put_id}"
-            )
+        self._commit_args(put_id, len(put.entries), checksums, written)
         del self.puts[put_id]
         reps: list[Replica | None] = []
         status: list[int] = []

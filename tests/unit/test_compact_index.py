@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.extent import ALIGN, HEADER_SIZE
 from kvstore.meta.compact import CompactIndex
 from kvstore.meta.index import DaemonSpec, Index, IndexLimits, InventoryItem, SegmentSpec, Tier
@@ -286,3 +286,17 @@ def test_the_oldest_evictable_row_is_exact_while_its_candidate_list_goes_stale()
             want = int(ok[np.argmin(t.recent[ok])]) if len(ok) else -1
             assert t.oldest(ref, batch=4) == want
     t.check_integrity()
+
+
+@pytest.mark.parametrize("make", [Index, CompactIndex], ids=["object", "compact"])
+@pytest.mark.parametrize("bad", [-1, 1 << 64])
+def test_a_checksum_out_of_range_is_refused_before_anything_changes(make, bad: int) -> None:  # noqa: ANN001
+    ix = make(IndexLimits(cache_policy="lru"), FakeClock())
+    ix.register_daemon(spec("d1", 4), {})
+    p = ix.put_start(key(1) + key(2), [BLK, BLK])
+    with pytest.raises(InvalidArgument, match=r"checksums\[1\]"):
+        ix.put_commit(p.put_id, [5, bad])
+    assert ix.lookup(key(1))[0] == 0
+    assert ix.put_commit(p.put_id, [5, 6]) == 2  # the put is still there, whole
+    assert ix.lookup(key(1) + key(2))[0] == 2
+    ix.check_integrity()
