@@ -7,6 +7,7 @@ raises :class:`~kvstore.errors.InvalidArgument` saying what is wrong, having cha
 from __future__ import annotations
 
 import math
+import operator
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, unpack_keys
@@ -60,8 +61,12 @@ class Checks:
         if len(checksums) != n:
             raise InvalidArgument(f"checksums: {len(checksums)} for {n} allocated blocks of put {put_id}")
         for i, c in enumerate(checksums):
-            if not 0 <= c < 1 << 64:
-                raise InvalidArgument(f"checksums[{i}]: {c} is not a 64-bit checksum")
+            try:
+                ok = 0 <= operator.index(c) < 1 << 64
+            except TypeError:
+                ok = False
+            if not ok:
+                raise InvalidArgument(f"checksums[{i}]: {c!r} is not a 64-bit checksum")
         if written is not None and len(written) != n:
             raise InvalidArgument(f"written: {len(written)} flags for {n} allocated blocks of put {put_id}")
 

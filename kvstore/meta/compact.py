@@ -211,7 +211,7 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         deadline = self.clock.now() + ttl
         self.leases[lease_id] = _Lease(lease_id, deadline, run)
         heapq.heappush(self._lease_deadlines, (deadline, lease_id))
-        return AcquireResult(n, lease_id, run, ttl)
+        return AcquireResult(n, lease_id, run.copy(), ttl)
 
     def _unlease(self, row: int) -> None:
         t = self.table
@@ -326,7 +326,8 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
             self.segments[seg.ref] = seg
             for it, size, ok in zip(items, sizes, accepted):
                 self._last_gen = max(self._last_gen, it.gen)
-                good = len(it.key) == KEY_BYTES
+                # A 16-byte key and values that fit their 64-bit columns (the wire's widths).
+                good = len(it.key) == KEY_BYTES and all(0 <= v < 1 << 64 for v in (it.length, it.checksum, it.gen))
                 clash = good and t.find(words(it.key))[0] >= 0
                 tomb = (sspec.segment_id, it.key, it.offset, it.gen) in dead
                 if not ok or not good or clash or tomb or not it.gen:

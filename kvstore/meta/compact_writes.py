@@ -17,7 +17,7 @@ from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.extent import extent_size
 from kvstore.keys import KEY_BYTES
 from kvstore.meta.records import PutStartResult, PutStatus, Segment, Tier
-from kvstore.meta.table import HELD, LIVE, WRITTEN, words
+from kvstore.meta.table import HELD, LIVE, READY, WRITTEN, words
 from kvstore.meta.writes import placement_order
 
 _NONE = np.empty(0, dtype=np.int64)
@@ -57,6 +57,8 @@ class CompactWrites:
                 biggest = max(seg.alloc.capacity for seg in segments)
                 raise InvalidArgument(f"sizes[{i}]: block of {s} bytes is larger than any segment ({biggest} bytes)")
         t = self.table
+        if t.room() < len(keys):
+            raise ResourceExhausted(f"the block table is full ({t.live} blocks): split the index into more shards")
         put_id = next(self._put_ids)
         # The request's stored keys are not evicted to make room for its new ones.
         held = rows[rows >= 0]
@@ -106,7 +108,7 @@ class CompactWrites:
         deadline = self.clock.now() + timeout
         self.puts[put_id] = Put(put_id, deadline, packed_keys, new, t.gen[new].copy())
         heapq.heappush(self._put_deadlines, (deadline, put_id))
-        return PutStartResult(put_id, status, new, timeout)
+        return PutStartResult(put_id, status, new.copy(), timeout)
 
     def _allocate(self, segments: list[Segment], length: int) -> tuple[Segment, int] | None:
         """Room for a block: free space in the first segment that has it, else space made by
@@ -131,9 +133,11 @@ class CompactWrites:
         return None
 
     def _put_rows(self, put: Put) -> np.ndarray:
-        """Which of the put's rows are still its blocks (a lost daemon's were dropped)."""
+        """Which of the put's rows are still its pending blocks (a lost daemon's were dropped)."""
         t = self.table
-        return ((t.flags[put.rows] & LIVE) != 0) & (t.gen[put.rows] == put.gens)
+        # Still in the table, not committed, and of this generation: a row freed with a lost
+        # daemon may hold another block since, even this block as that daemon reported it back.
+        return ((t.flags[put.rows] & (LIVE | READY)) == LIVE) & (t.gen[put.rows] == put.gens)
 
     def put_commit(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> int:
         """Makes a put's written blocks visible; returns how many (see ``Index.put_commit``)."""

@@ -41,8 +41,8 @@ HELD = 16  # kept out of eviction for the duration of one call
 _COLUMNS = (
     ("kw", np.uint64, 2),  # the key, as its two little-endian words side by side (one cache line)
     ("seg", np.uint32, 1),  # segment ref (kvstore.meta.records.Segment.ref)
-    ("off", np.uint64, 1), ("size", np.uint32, 1),  # the extent in the segment
-    ("length", np.uint32, 1),  # payload bytes
+    ("off", np.uint64, 1), ("size", np.uint64, 1),  # the extent in the segment
+    ("length", np.uint64, 1),  # payload bytes
     ("csum", np.uint64, 1), ("gen", np.uint64, 1),
     ("recent", np.uint64, 1),  # recency: larger is more recent
     ("leases", np.uint32, 1), ("flags", np.uint8, 1),
@@ -271,6 +271,10 @@ class BlockTable:
         self._unhash(row)
         self.flags[row] &= 0xFF ^ (LIVE | READY)
         self.live -= 1
+
+    def room(self) -> int:
+        """How many more rows the table can hold."""
+        return _TAG - self.n_rows + self._n_free
 
     def free(self, row: int) -> None:
         """Returns an unlinked row for reuse."""

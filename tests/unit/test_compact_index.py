@@ -300,3 +300,75 @@ def test_a_checksum_out_of_range_is_refused_before_anything_changes(make, bad: i
     assert ix.put_commit(p.put_id, [5, 6]) == 2  # the put is still there, whole
     assert ix.lookup(key(1) + key(2))[0] == 2
     ix.check_integrity()
+
+
+def test_a_pending_put_never_takes_over_the_block_its_lost_daemon_reports_back() -> None:
+    """A daemon lost while a put is pending comes back with the block committed (same key, same
+    generation, and the block table hands it the same row): the put's commit or expiry must
+    leave it alone, as the object index does."""
+    for then in ("commit", "expire"):
+        clock = FakeClock()
+        limits = IndexLimits(cache_policy="lru")
+        obj, cmp = Index(limits, clock), CompactIndex(limits, clock)
+        for ix in (obj, cmp):
+            ix.register_daemon(spec("d1", 4), {})
+        k = key(1)
+        pa, pb = obj.put_start(k, [BLK]), cmp.put_start(k, [BLK])
+        gen = cmp.locations(pb.placements)[0].gen
+        off = cmp.locations(pb.placements)[0].offset
+        clock.advance(5.0)  # past the daemon's ttl, not the put's
+        assert obj.expire()["daemons"] == cmp.expire()["daemons"] == 1
+        inv = {1: [InventoryItem(k, off, BLK, 77, 0, gen)]}
+        assert obj.register_daemon(spec("d1", 4), inv) == cmp.register_daemon(spec("d1", 4), inv) == 0
+        if then == "commit":
+            assert obj.put_commit(pa.put_id, [77]) == cmp.put_commit(pb.put_id, [77]) == 0
+        else:
+            clock.advance(31.0)
+            for ix in (obj, cmp):
+                ix.heartbeat("d1")
+            a, b = obj.expire(), cmp.expire()
+            assert a["puts"] == b["puts"] == 1
+        assert obj.lookup(k)[0] == cmp.lookup(k)[0] == 1
+        assert obj.take_tombstones() == {} and cmp.take_tombstones() == {}
+        obj.check_integrity()
+        cmp.check_integrity()
+
+
+def test_blocks_and_inventory_past_32_bits_are_stored_or_refused_whole() -> None:
+    clock = FakeClock()
+    cmp = CompactIndex(IndexLimits(cache_policy="lru", max_block_bytes=1 << 33), clock)
+    big = SegmentSpec(1, Tier.DRAM, 8 << 30, "/dev/shm/big")
+    cmp.register_daemon(DaemonSpec("d1", "h", "a", "c", (big,)), {})
+    p = cmp.put_start(key(1), [5 << 30])
+    assert cmp.put_commit(p.put_id, [3]) == 1
+    (loc,) = cmp.locations(cmp.lookup(key(1), with_locations=True)[2])
+    assert loc.length == 5 << 30 and loc.size >= 5 << 30
+    cmp.check_integrity()
+    # A daemon's item whose values do not fit 64 bits is refused; the rest is adopted.
+    inv = {1: [InventoryItem(key(2), 0, 1 << 64, 1, ALIGN, 9), InventoryItem(key(3), ALIGN, BLK, 1, 0, 10)]}
+    assert cmp.register_daemon(spec("d2", 4), inv) == 1
+    assert cmp.lookup(key(3))[0] == 1 and cmp.lookup(key(2))[0] == 0
+    cmp.check_integrity()
+
+
+def test_results_are_copies_of_the_index_state() -> None:
+    cmp = CompactIndex(IndexLimits(cache_policy="lru"), FakeClock())
+    cmp.register_daemon(spec("d1", 4), {})
+    p = cmp.put_start(key(1) + key(2), [BLK, BLK])
+    p.placements[:] = 0  # a caller scribbling on what it was given
+    assert cmp.put_commit(p.put_id, [1, 2]) == 2
+    a = cmp.acquire(key(1) + key(2))
+    a.locations[:] = 0
+    cmp.release(a.lease_id)
+    cmp.check_integrity()
+    assert cmp.lookup(key(1) + key(2))[0] == 2
+
+
+@pytest.mark.parametrize("bad", [1.5, "7", None])
+def test_a_checksum_that_is_not_an_integer_is_refused(bad) -> None:  # noqa: ANN001
+    for make in (Index, CompactIndex):
+        ix = make(IndexLimits(cache_policy="lru"), FakeClock())
+        ix.register_daemon(spec("d1", 4), {})
+        p = ix.put_start(key(1), [BLK])
+        with pytest.raises(InvalidArgument, match=r"checksums\[0\]"):
+            ix.put_commit(p.put_id, [bad])
