@@ -229,6 +229,19 @@ def _as_u32(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
+def key_list(keys: Sequence[bytes] | bytes) -> list[bytes]:
+    """The keys one by one (bytes of 16), from a list of them or a packed buffer; raises
+    InvalidArgument as :func:`pack_keys` does."""
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        data = pack_keys(keys)
+        return [data[i : i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)]
+    out = list(keys)
+    if set(map(type, out)) <= {bytes} and set(map(len, out)) <= {KEY_BYTES}:
+        return out
+    pack_keys(out)  # raises, naming the first bad key
+    return [bytes(k) for k in out]  # bytearrays
+
+
 def pack_keys(keys: Sequence[bytes] | bytes) -> bytes:
     """Packs a list of 16-byte keys (or checks an already packed buffer) into N x 16 bytes."""
     if isinstance(keys, (bytes, bytearray, memoryview)):

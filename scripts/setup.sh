@@ -20,13 +20,37 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 stamp=.venv/.kvstore-setup
-# The stamp covers this script too, so that a step added here also runs on machines set up before.
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}-${KVSTORE_NO_VLLM:-0}-${KVSTORE_NO_LMCACHE:-0}"
+# The stamp covers this script and the native source too, so that a step added here, or a change
+# to the C code, also runs on machines set up before.
+want="$(cat pyproject.toml setup.py kvstore/transport/copy.c scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}-${KVSTORE_NO_VLLM:-0}-${KVSTORE_NO_LMCACHE:-0}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+# Debian packages, before kvstore itself is installed: a C compiler, Python.h and xxhash.h for
+# the native copy of the read paths (kvstore/transport/copy.c; without them kvstore installs and
+# reads through its Python path); the peers of bench/peers.py (which fails without them unless told
+# --skip NAME; its test skips without redis-server): redis-server (also a sharded cluster's
+# coordination, kvstore.cluster), iproute2 (the cluster fault suite's hosts are network
+# namespaces), and libibverbs1 and libnuma1, which Mooncake's native libraries link against.
+apt_missing=""
+command -v cc >/dev/null 2>&1 || apt_missing="gcc libc6-dev"
+[ -f /usr/include/xxhash.h ] || apt_missing="$apt_missing libxxhash-dev"
+"$VPY" -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' \
+  2>/dev/null || apt_missing="$apt_missing python3-dev"
+command -v redis-server >/dev/null 2>&1 || apt_missing="$apt_missing redis-server"
+command -v ip >/dev/null 2>&1 || apt_missing="$apt_missing iproute2"
+for pkg in libibverbs1 libnuma1; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing="$apt_missing $pkg"
+done
+if [ -n "$apt_missing" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  # shellcheck disable=SC2086  # one word per package
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $apt_missing >/dev/null) \
+    || echo "setup: could not install$apt_missing; bench/peers.py needs them (or --skip redis / mooncake), the native copy needs a C compiler and xxhash.h" >&2
+fi
 "$VPY" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[dev,bench,engine,cluster]"
+"$VPY" -c "from kvstore.transport import native; assert native.impl" 2>/dev/null \
+  || echo "setup: the native copy (kvstore/transport/copy.c) was not built; reads take the Python path" >&2
 if [ "${KVSTORE_NO_TORCH:-0}" != "1" ] && ! "$VPY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$VPY" -m pip install -q --disable-pip-version-check torch
@@ -57,21 +81,6 @@ if [ "${KVSTORE_NO_LMCACHE:-0}" != "1" ] && "$VPY" -c "import vllm" 2>/dev/null 
   "$VPY" -m pip install -q --disable-pip-version-check --no-deps "lmcache==0.5.6" aiofile aiofiles caio awscrt \
     nvtx "opentelemetry-exporter-prometheus==0.61b0" setuptools-scm vcs-versioning \
     || echo "setup: could not install lmcache; the LMCache plugin's test will be skipped" >&2
-fi
-# The peers of bench/peers.py (which fails without them unless told --skip NAME; its test skips
-# without redis-server). Debian packages: redis-server (also a sharded cluster's coordination,
-# kvstore.cluster), iproute2 (the cluster fault suite's hosts are network namespaces), and
-# libibverbs1 and libnuma1, which Mooncake's native libraries link against.
-apt_missing=""
-command -v redis-server >/dev/null 2>&1 || apt_missing="redis-server"
-command -v ip >/dev/null 2>&1 || apt_missing="$apt_missing iproute2"
-for pkg in libibverbs1 libnuma1; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing="$apt_missing $pkg"
-done
-if [ -n "$apt_missing" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-  # shellcheck disable=SC2086  # one word per package
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $apt_missing >/dev/null) \
-    || echo "setup: could not install$apt_missing; bench/peers.py needs them (or --skip redis / mooncake)" >&2
 fi
 # Mooncake Store, CPU-only build (its Python package is `mooncake`: mooncake.store, mooncake_master).
 "$VPY" -m pip install -q --disable-pip-version-check mooncake-transfer-engine-non-cuda \

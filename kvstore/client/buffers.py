@@ -8,6 +8,7 @@ arrays) is refused: the engine stages it through pinned host buffers.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,22 @@ from kvstore.errors import InvalidArgument
 # Copies larger than this run in a worker thread so the event loop stays responsive, and are
 # split over ``client.io_threads`` threads (memcpy and xxh3 release the GIL).
 INLINE_COPY_BYTES = 8 << 20
+
+
+_U8 = np.dtype(np.uint8)
+
+
+def byte_views(objs: Sequence[Any], writable: bool) -> list[np.ndarray]:
+    """:func:`byte_view` of each of ``objs`` (errors name ``buffers[i]``); 1-D uint8 arrays, the
+    common case, pass with a few attribute reads each."""
+    out = list(objs)
+    for i, obj in enumerate(out):
+        if type(obj) is np.ndarray and obj.dtype is _U8 and obj.ndim == 1:
+            f = obj.flags
+            if f.c_contiguous and (f.writeable or not writable):
+                continue
+        out[i] = byte_view(obj, writable, f"buffers[{i}]")
+    return out
 
 
 def byte_view(obj: Any, writable: bool, what: str = "buffer") -> np.ndarray:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -79,22 +79,25 @@ class LocationCache:
 
     def run(self, keys: Sequence[bytes], shm_ok) -> list[Placement]:  # noqa: ANN001 - callable(Placement) -> bool
         """The leading run of ``keys`` with a remembered location that can be read now: through
-        shared memory (``shm_ok``), or over the data port while its ticket allows."""
-        out: list[Known] = []
+        shared memory (``shm_ok``, asked once per segment message), or over the data port while
+        its ticket allows."""
         d = self._d
         with self._lock:
-            for k in keys:
-                known = d.get(k)
-                if known is None:
-                    break
-                d.move_to_end(k)
-                out.append(known)
+            out = list(map(d.get, keys))
+            try:
+                out = out[: out.index(None)]
+            except ValueError:
+                pass
+            deque(map(d.move_to_end, keys[: len(out)]), maxlen=0)
+        places = [known.place for known in out]
+        segments = {id(p.segment): p for p in places}
+        refused = {s for s, p in segments.items() if not shm_ok(p)}
+        if not refused:
+            return places
         now = time.time()
-        places: list[Placement] = []
-        for known in out:
-            if not shm_ok(known.place) and known.tcp_until <= now:
-                break
-            places.append(known.place)
+        for i, known in enumerate(out):
+            if id(known.place.segment) in refused and known.tcp_until <= now:
+                return places[:i]
         return places
 
     def forget(self, keys: Sequence[bytes]) -> None:

@@ -17,10 +17,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore.client.buffers import INLINE_COPY_BYTES, byte_view
+from kvstore.client.buffers import INLINE_COPY_BYTES, byte_views
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.extent import SSD_ALIGN, extent_size
-from kvstore.keys import KEY_BYTES, pack_keys
+from kvstore.keys import KEY_BYTES, key_list
 from kvstore.transport.frames import DIRECT, STAGED
 from kvstore.transport.shm import ShmTransport
 from kvstore.v1 import meta_pb2
@@ -39,14 +39,12 @@ SHM_SPLIT_BLOCK_BYTES = 256 << 10
 _FIRST_SLICE_BYTES = 4 << 20
 
 
-def _views(keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> tuple[bytes, list[bytes], list[np.ndarray]]:
-    """A get's keys, packed and one by one, and its buffers as writable byte views (one per key)."""
-    packed = pack_keys(keys)
-    n = len(packed) // KEY_BYTES
-    if len(buffers) != n:
-        raise InvalidArgument(f"get_into: {len(buffers)} buffers for {n} keys")
-    dests = [byte_view(b, writable=True, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
-    return packed, [packed[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)], dests
+def _views(keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> tuple[list[bytes], list[np.ndarray]]:
+    """A get's keys one by one, and its buffers as writable byte views (one per key)."""
+    keys = key_list(keys)
+    if len(buffers) != len(keys):
+        raise InvalidArgument(f"get_into: {len(buffers)} buffers for {len(keys)} keys")
+    return keys, byte_views(buffers, writable=True)
 
 
 def _fit(places: list[Placement], lo: int, hi: int, budget: int) -> list[tuple[int, int]]:
@@ -63,6 +61,12 @@ def _fit(places: list[Placement], lo: int, hi: int, budget: int) -> list[tuple[i
     return out
 
 
+def _segments(places: list[Placement]) -> dict[int, Placement]:
+    """The distinct segment messages of ``places`` (by identity), each with its first placement:
+    what is judged once per segment rather than once per block."""
+    return {id(p.segment): p for p in places}
+
+
 class Reads:
     """get_into and what it takes: known locations, leases, shared memory, the data port."""
 
@@ -74,14 +78,14 @@ class Reads:
         there (a miss); blocks after the returned count may hold garbage in their buffers.
         Raises InvalidArgument if a buffer's size differs from its stored block's.
         """
-        packed, key_list, dests = _views(keys, buffers)
-        n = len(key_list)
+        keys, dests = _views(keys, buffers)
+        n = len(keys)
         self._prune()
-        direct = await self._read_known_async(key_list, dests)
+        direct = await self._read_known_async(keys, dests)
         if direct == n:
             return n
         t0 = time.monotonic()
-        rest = packed[direct * KEY_BYTES :]
+        rest = b"".join(keys[direct:])
         resp = await self._rpc(
             self._stub.Acquire,
             meta_pb2.AcquireRequest(keys=rest, ttl_ms=int(self.cfg.lease_ttl_s * 1000), host_id=self.host_id),
@@ -95,21 +99,21 @@ class Reads:
             if dests[i].size != p.length:
                 self._release(resp.lease_id, [])
                 raise InvalidArgument(f"buffers[{i}] holds {dests[i].size} bytes but block {i} is {p.length} bytes")
-        key_list = key_list[direct : direct + hit]
+        keys = keys[direct : direct + hit]
         dests = dests[direct : direct + hit]
         total = sum(p.length for p in places)
         try:
             if total > INLINE_COPY_BYTES:
                 loaded, corrupt = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self._read_run, key_list, places, dests, deadline
+                    self._pool, self._read_run, keys, places, dests, deadline
                 )
             else:
-                loaded, corrupt = self._read_run(key_list, places, dests, deadline)
+                loaded, corrupt = self._read_run(keys, places, dests, deadline)
         except BaseException:
             self._release(resp.lease_id, [])  # the lease goes now, not at its deadline
             raise
         self._release(resp.lease_id, corrupt)
-        self._known.remember(key_list[:loaded], places[:loaded], read=True)
+        self._known.remember(keys[:loaded], places[:loaded], read=True)
         return direct + loaded
 
     def get_known(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
@@ -117,14 +121,15 @@ class Reads:
         metadata service, in the calling thread (any thread: the sync client calls it in its
         callers' threads, with no hop to the event loop). Returns how many leading blocks were
         loaded, each verified; :meth:`get_into` reads on from there."""
-        _, key_list, dests = _views(keys, buffers)
-        return self._read_known(key_list, dests, self._known_run(key_list, dests))
+        keys, dests = _views(keys, buffers)
+        return self._read_known(keys, dests, self._known_run(keys, dests))
 
     def _known_run(self, keys: list[bytes], dests: list[np.ndarray]) -> list[Placement]:
         places = self._known.run(keys, self._shm_judge())
-        for i, p in enumerate(places):
-            if dests[i].size != p.length:  # let the leased path judge (and raise) from here on
-                return places[:i]
+        if list(map(len, dests[: len(places)])) != [p.length for p in places]:
+            for i, p in enumerate(places):
+                if dests[i].size != p.length:  # let the leased path judge (and raise) from here on
+                    return places[:i]
         return places
 
     def _read_known(self, keys: list[bytes], dests: list[np.ndarray], places: list[Placement]) -> int:
@@ -133,21 +138,26 @@ class Reads:
         forgotten, and the caller reads on from there through a lease."""
         # A daemon that died or drains no longer serves its arena: its blocks are misses. Checked
         # once per call, so that a read that started before a drain completes.
-        served: dict[str, bool] = {}
         shm = self._shm_judge()
-        for i, p in enumerate(places):
+        served: dict[str, bool] = {}
+        gone: set[int] = set()  # segment messages of arenas no longer served
+        segments = _segments(places)
+        for seg, p in segments.items():
             if shm(p):
                 path = p.segment.shm_path
                 if path not in served:
                     served[path] = self._shm.arena(path, p.segment.capacity_bytes).served()
                 if not served[path]:
-                    log.info("event=arena_not_served daemon=%s", p.daemon.daemon_id)
-                    places = places[:i]
-                    break
+                    gone.add(seg)
+        if gone:
+            i = next(i for i, p in enumerate(places) if id(p.segment) in gone)
+            log.info("event=arena_not_served daemon=%s", places[i].daemon.daemon_id)
+            places = places[:i]
+            segments = _segments(places)
         if not places:
             return 0
         keys = keys[: len(places)]
-        loaded, _ = self._read_run(keys, places, dests, float("inf"), True)
+        loaded, _ = self._read_run(keys, places, dests, float("inf"), True, segments)
         # Failures here are not reported as corrupt: without a lease the extent may simply
         # have been reused, which the checks caught. The leased path reads the block again.
         self._known.hits += loaded
@@ -258,24 +268,37 @@ class Reads:
                 log.info("event=touch_failed chains=%d code=%s", len(chains), e.code.name)
 
     def _read_run(
-        self, keys: list[bytes], places: list[Placement], dests: list[np.ndarray], deadline: float, direct: bool = False
+        self,
+        keys: list[bytes],
+        places: list[Placement],
+        dests: list[np.ndarray],
+        deadline: float,
+        direct: bool = False,
+        segments: dict[int, Placement] | None = None,
     ) -> tuple[int, list[int]]:
         """Copies the leased run, split over the I/O threads; the run ends at the first block
-        that failed. Returns (blocks loaded, run indexes to report as corrupt)."""
+        that failed. Returns (blocks loaded, run indexes to report as corrupt). ``segments``:
+        :func:`_segments` of ``places``, where the caller has it."""
+        if segments is None:
+            segments = _segments(places)
+        shm = self._shm_judge()
+        single = len(segments) == 1
         sizes = [p.length for p in places]
-        ranges = self._split(sizes)
-        if len(ranges) > 1 and sum(sizes) < SHM_SPLIT_BLOCK_BYTES * len(sizes):
-            # Small blocks read through shared memory go in one thread: each costs a few us of
-            # Python between two GIL-free calls (copy, checksum), and with two threads every
-            # block hands the GIL over, which costs more than the second core gives.
-            shm = self._shm_judge()
-            if all(shm(p) for p in places):
-                ranges = [(0, len(places))]
+        if sum(sizes) < SHM_SPLIT_BLOCK_BYTES * len(sizes) and all(shm(p) for p in segments.values()):
+            # Small blocks read through shared memory go in one thread: without the native copy
+            # each costs a few us of Python between two GIL-free calls (copy, checksum), and with
+            # two threads every block hands the GIL over, which costs more than the second core
+            # gives; with it, a run is one call and the second thread would halve the memory
+            # bandwidth each gets for no gain at this size.
+            ranges = [(0, len(places))]
+        else:
+            ranges = self._split(sizes)
         futs = [
-            self._chunk_pool.submit(self._read_range, keys, places, dests, deadline, lo, hi, direct)
+            self._chunk_pool.submit(self._read_range, keys, places, dests, deadline, lo, hi, direct, single)
             for lo, hi in ranges[1:]
         ]
-        results = [self._read_range(keys, places, dests, deadline, *ranges[0], direct)] + [f.result() for f in futs]
+        results = [self._read_range(keys, places, dests, deadline, *ranges[0], direct, single)]
+        results += [f.result() for f in futs]
         loaded = len(places)
         corrupt: list[int] = []
         for (_lo, hi), (n, bad) in zip(ranges, results):
@@ -293,9 +316,11 @@ class Reads:
         lo: int,
         hi: int,
         direct: bool = False,
+        single: bool = False,
     ) -> tuple[int, list[int]]:
         """Copies blocks lo..hi in order and stops at the first that fails. Returns (index of the
-        first block not loaded, indexes to report as corrupt)."""
+        first block not loaded, indexes to report as corrupt). ``single``: all the placements
+        share one segment message."""
         i = lo
         use_shm = self._shm_judge(raising=True)
         while i < hi:
@@ -304,8 +329,8 @@ class Reads:
                 return i, []
             p = places[i]
             if use_shm(p):
-                # A run of consecutive blocks in one arena is copied in one loop.
-                j = i + 1
+                # A run of consecutive blocks in one arena is copied in one loop (one call).
+                j = hi if single else i + 1
                 while j < hi and places[j].segment is p.segment:
                     j += 1
                 arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)

@@ -39,6 +39,7 @@ from kvstore.transport.frames import (
     DIRECT,
     ENTRY,
     MAGIC,
+    MAX_IOV,
     REQ_HEAD,
     RESP_HEAD,
     STAGED,
@@ -52,13 +53,16 @@ from kvstore.transport.frames import (
     kernel_timeouts,
     recv_bytes,
     recv_exact,
-    send_parts,
+    send_vec,
 )
 from kvstore.transport.sealed import REQUEST_BYTES, UPGRADE, server_upgrade
 
 log = logging.getLogger("kvstore.daemon.dataport")
 
 READ_AHEAD = 2  # SSD blocks read ahead of the one being sent, per connection
+_STATUS = {int(st): bytes((st,)) for st in EntryStatus}
+# Bytes of block payloads gathered into one send on a read.
+_GATHER_BYTES = 1 << 20
 _READ_STATUS = {"checksum": EntryStatus.CHECKSUM, "io": EntryStatus.IO_ERROR}
 
 
@@ -324,13 +328,22 @@ class DataPort:
                 next_ssd += 1
 
         done_ssd = 0
+        # Answers go out gathered, up to _GATHER_BYTES per system call: one sendmsg carries many
+        # small blocks. Flushed before waiting on the disk, so the client is never kept waiting
+        # for bytes that are ready.
+        out: list = []
+        out_bytes = 0
         try:
             for i, ((key, _s, _e, off, length, _c, gen, _t), seg) in enumerate(zip(entries, arenas)):
                 if isinstance(seg, SsdSegment) and i not in ssd_set:
                     status, payload = EntryStatus.MISMATCH, None
                 elif isinstance(seg, SsdSegment):
                     submit_upto(done_ssd + READ_AHEAD)
-                    st, payload = ahead.pop(i).result()
+                    fut = ahead.pop(i)
+                    if out and not fut.done():
+                        send_vec(conn, out)
+                        out, out_bytes = [], 0
+                    st, payload = fut.result()
                     done_ssd += 1
                     status = EntryStatus.OK if st.ok else _READ_STATUS.get(st.reason, EntryStatus.MISMATCH)
                 else:
@@ -339,15 +352,20 @@ class DataPort:
                     status = EntryStatus.OK if ok else EntryStatus.MISMATCH
                     payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length] if ok else None
                 if status == EntryStatus.OK and i in slots and self._inside(payload, slots[i]):
-                    conn.sendall(STAGED_AT.pack(EntryStatus.STAGED, self.staging.offset_of(payload)))  # type: ignore[union-attr]
+                    out.append(STAGED_AT.pack(EntryStatus.STAGED, self.staging.offset_of(payload)))  # type: ignore[union-attr]
                     self.counters["staged"] += 1
                     self.counters["staged_bytes"] += length
-                    continue
-                if status == EntryStatus.OK:
-                    send_parts(conn, bytes((status,)), payload)
+                elif status == EntryStatus.OK:
+                    out += (_STATUS[status], payload)
+                    out_bytes += length
                     sent += length
                 else:
-                    conn.sendall(bytes((status,)))
+                    out.append(_STATUS[status])
+                if out_bytes >= _GATHER_BYTES or len(out) >= MAX_IOV:
+                    send_vec(conn, out)
+                    out, out_bytes = [], 0
+            if out:
+                send_vec(conn, out)
         finally:
             # Reads still under way write into this connection's buffers (its staging slice,
             # which goes to another connection once this one closes): let them finish first.

@@ -102,21 +102,27 @@ def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def send_parts(sock: socket.socket, head: bytes, payload) -> None:  # noqa: ANN001 - any buffer
-    """Sends a short ``head`` and its ``payload`` in one system call where the socket allows
-    (a plain socket; TLS and sealed channels send them one after the other), so that the head
-    does not go out as a packet of its own and wake the peer for one byte."""
+# The most buffers one sendmsg takes (Linux' UIO_MAXIOV is 1024).
+MAX_IOV = 512
+
+
+def send_vec(sock: socket.socket, parts: list) -> None:  # noqa: ANN001 - buffers
+    """Sends ``parts`` (buffers) in order, as few system calls as the socket allows: gathered
+    by ``sendmsg`` on a plain socket (continuing where a partial send stopped), one after the
+    other on TLS and sealed channels."""
     if type(sock) is not socket.socket:
-        sock.sendall(head)
-        sock.sendall(payload)
+        for part in parts:
+            sock.sendall(part)
         return
-    body = memoryview(payload).cast("B")
-    sent = sock.sendmsg([head, body])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sock.sendall(body)
-    elif sent < len(head) + len(body):
-        sock.sendall(body[sent - len(head) :])
+    views = [memoryview(p).cast("B") for p in parts]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + MAX_IOV])
+        while i < len(views) and sent >= len(views[i]):
+            sent -= len(views[i])
+            i += 1
+        if sent:
+            views[i] = views[i][sent:]
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:

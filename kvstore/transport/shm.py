@@ -13,25 +13,20 @@ import os
 import struct
 import threading
 import time
-from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
 from kvstore.daemon.arena import ShmArena
 from kvstore.extent import HEADER_SIZE, MAGIC, VERSION
+from kvstore.tickets import NO_TICKET
+from kvstore.transport import native
+from kvstore.wire import Placement
 
 _FIELDS = struct.Struct("<4sHH16sQQQ")  # the header's magic .. gen (kvstore.extent)
+_PREFIX = _FIELDS.pack(MAGIC, VERSION, 0, bytes(16), 0, 0, 0)[:8]  # magic, version, flags 0
 
 log = logging.getLogger("kvstore.client")
-
-
-class _Extent(NamedTuple):  # the fields of a kvstore.wire.Placement that a read uses
-    offset: int
-    length: int
-    checksum: int
-    gen: int
-    key: bytes
 
 
 RETRY_S = 30.0
@@ -108,7 +103,7 @@ class ShmTransport:
         the copy. That makes a read without a lease safe: an extent is freed or reused only after
         its header is cleared (invalidation, or the next writer), so a copy that raced with reuse
         fails a check instead of returning another block's bytes."""
-        place = _Extent(offset, length, csum, gen, key)
+        place = Placement(None, None, offset, length, csum, gen, NO_TICKET, key)  # type: ignore[arg-type]
         return ShmTransport.read_many(arena, [place], [dest], [key] if key else None, math.inf) == 1
 
     @staticmethod
@@ -118,7 +113,13 @@ class ShmTransport:
         """:meth:`read` for a run of placements (``kvstore.wire.Placement``) in one arena, in
         order, with the per-block work cut to the copy, the checksum and (with ``keys``, a read
         without a lease) the two header comparisons. Returns how many leading blocks were loaded;
-        it stops at the first that fails, and once ``deadline`` (monotonic) passed."""
+        it stops at the first that fails (an extent outside the arena and a buffer of another
+        size fail too), and once ``deadline`` (monotonic) passed.
+
+        With the native copy (:mod:`kvstore.transport.native`) the run is one call that copies,
+        checksums and compares headers with the GIL released."""
+        if native.impl is not None:
+            return native.impl.read_many(arena.array, HEADER_SIZE, places, dests, keys, deadline, _PREFIX)
         view, array, size = arena.view, arena.array, arena.size
         pack, hsize, monotonic, xxh3 = _FIELDS.pack, _FIELDS.size, time.monotonic, xxhash.xxh3_64_intdigest
         for n, p in enumerate(places):
@@ -127,9 +128,9 @@ class ShmTransport:
             off = p.offset
             start = off + HEADER_SIZE
             length = p.length
-            if off < 0 or start + length > size:
-                return n
             dest = dests[n]
+            if off < 0 or start + length > size or dest.size != length:
+                return n
             if keys is not None:
                 head = pack(MAGIC, VERSION, 0, p.key or keys[n], length, p.checksum, p.gen)
                 if view[off : off + hsize] != head:

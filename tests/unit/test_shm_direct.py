@@ -1,7 +1,8 @@
 """The shared-memory read without a lease (ShmTransport.read with a key): another process
 rewrites one extent over and over, alternating two blocks the way a daemon and its writers do
 (clear the header, copy the payload, write the sealed header); a reader that asks for one of
-them gets either a miss or exactly that block's bytes, never the other's or a mix."""
+them gets either a miss or exactly that block's bytes, never the other's or a mix. Each test runs
+on the native copy (kvstore.transport.native) and on the Python path."""
 
 from __future__ import annotations
 
@@ -10,14 +11,25 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from kvstore.daemon.arena import ShmArena
 from kvstore.extent import checksum
+from kvstore.transport import native
 from kvstore.transport.shm import ShmTransport
 
 SIZE = 256 << 10
 KX, KY = b"x" * 16, b"y" * 16
 GX, GY = 11, 12
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def impl(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(native, "impl", None)
+    elif native.impl is None:
+        pytest.skip("the native copy is not built here")
+    return request.param
 
 
 def block(seed: int) -> np.ndarray:
@@ -108,8 +120,6 @@ def test_a_block_named_by_another_key_or_generation_is_a_miss(tmp_path):
 
 
 def test_a_second_daemon_cannot_attach_to_a_served_arena(tmp_path):
-    import pytest
-
     arena = ShmArena(tmp_path / "arena", 1 << 20, create=True)
     try:
         with pytest.raises(OSError, match="already in use by another daemon"):

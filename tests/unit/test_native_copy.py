@@ -1,0 +1,139 @@
+"""The native copy (kvstore/transport/copy.c through kvstore.transport.native) answers as the
+Python path of ShmTransport.read_many on random runs: valid blocks, corrupted payloads, headers
+of another key, generation, length or checksum, cleared headers, extents outside the arena,
+buffers of another size, placements naming their own key, with and without header checks; and it
+is built wherever it can be."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.daemon.arena import ShmArena
+from kvstore.extent import HEADER_SIZE, Sealer, checksum
+from kvstore.transport import native
+from kvstore.transport.shm import ShmTransport
+from kvstore.wire import Placement
+
+ARENA = 4 << 20
+SLOT = 64 << 10  # extent stride in the test arena
+
+needs_native = pytest.mark.skipif(native.impl is None, reason="the native copy is not built here")
+
+
+def _python(arena, places, dests, keys, deadline, monkeypatch) -> int:  # noqa: ANN001
+    with monkeypatch.context() as m:
+        m.setattr(native, "impl", None)
+        return ShmTransport.read_many(arena, places, dests, keys, deadline)
+
+
+def _layout(arena: ShmArena, rng: np.random.Generator, n: int) -> tuple[list, list, list[bytes]]:
+    """n committed blocks of random sizes in the arena: (placements, payloads, keys)."""
+    sealer = Sealer(b"k" * 32)
+    places, payloads, keys = [], [], []
+    for i in range(n):
+        off = i * SLOT
+        length = int(rng.integers(0, SLOT - HEADER_SIZE))
+        data = rng.integers(0, 256, length, dtype=np.uint8)
+        key = rng.bytes(16)
+        gen = int(rng.integers(0, 2**63))
+        arena.array[off + HEADER_SIZE : off + HEADER_SIZE + length] = data
+        arena.commit(sealer, off, key, length, checksum(data), gen)
+        places.append(Placement(None, None, off, length, checksum(data), gen))
+        payloads.append(data)
+        keys.append(key)
+    return places, payloads, keys
+
+
+def _spoil(arena: ShmArena, places: list, dests: list, keys: list, rng: np.random.Generator) -> str:
+    """One random fault at a random block (or none)."""
+    i = int(rng.integers(0, len(places)))
+    p = places[i]
+    fault = str(
+        rng.choice(["none", "payload", "key", "gen", "length", "csum", "cleared", "outside", "dest", "own_key"])
+    )
+    if fault == "payload" and p.length:
+        arena.array[p.offset + HEADER_SIZE + int(rng.integers(0, p.length))] ^= 0xFF
+    elif fault == "key":
+        keys[i] = bytes(16)
+    elif fault == "gen":
+        places[i] = p._replace(gen=p.gen ^ 1)
+    elif fault == "length" and p.length:
+        places[i] = p._replace(length=p.length - 1)
+        dests[i] = dests[i][:-1]
+    elif fault == "csum":
+        places[i] = p._replace(checksum=(p.checksum + 1) % 2**64)
+    elif fault == "cleared":
+        arena.clear_header(p.offset)
+    elif fault == "outside":
+        places[i] = p._replace(offset=int(rng.choice([-HEADER_SIZE, ARENA - HEADER_SIZE, ARENA, 2**62])))
+    elif fault == "dest":
+        dests[i] = np.empty(p.length + 1, np.uint8)
+    elif fault == "own_key":  # the block is stored under the key the placement names
+        places[i] = p._replace(key=keys[i])
+        keys[i] = bytes(16)
+    return fault
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(40))
+def test_native_and_python_agree_on_random_runs(tmp_path: Path, seed: int, monkeypatch):
+    rng = np.random.default_rng(seed)
+    arena = ShmArena(tmp_path / "arena", ARENA, create=True)
+    try:
+        n = int(rng.integers(1, ARENA // SLOT))
+        places, payloads, keys = _layout(arena, rng, n)
+        dests = [np.empty(p.length, np.uint8) for p in places]
+        fault = _spoil(arena, places, dests, keys, rng)
+        checked = keys if rng.random() < 0.7 else None
+        want = _python(arena, places, [d.copy() for d in dests], checked, math.inf, monkeypatch)
+        got = native.impl.read_many(arena.array, HEADER_SIZE, places, dests, checked, math.inf, b"KVB1\x02\x00\x00\x00")
+        assert got == ShmTransport.read_many(arena, places, [d.copy() for d in dests], checked, math.inf)
+        assert got == want, fault
+        for i in range(got):  # what was loaded is the block's bytes
+            assert np.array_equal(dests[i], payloads[i]), i
+        if fault == "none" or (fault in ("key", "gen", "cleared", "own_key") and checked is None):
+            assert got == n
+    finally:
+        arena.close()
+
+
+@needs_native
+def test_a_run_stops_at_its_deadline_and_bad_arguments_are_typed_errors(tmp_path: Path):
+    rng = np.random.default_rng(7)
+    arena = ShmArena(tmp_path / "arena", ARENA, create=True)
+    try:
+        places, _, keys = _layout(arena, rng, 4)
+        dests = [np.empty(p.length, np.uint8) for p in places]
+        assert ShmTransport.read_many(arena, places, dests, keys, time.monotonic() - 1) == 0
+        assert ShmTransport.read_many(arena, places, dests, keys, time.monotonic() + 60) == 4
+        with pytest.raises(TypeError):
+            ShmTransport.read_many(arena, [(1, 2)], dests, keys, math.inf)
+        with pytest.raises(ValueError):
+            ShmTransport.read_many(arena, places, dests, [b"short"] * 4, math.inf)
+        read_only = [np.frombuffer(bytes(p.length), np.uint8) for p in places]
+        with pytest.raises((BufferError, ValueError, TypeError)):
+            ShmTransport.read_many(arena, places, read_only, keys, math.inf)
+        # Values no wire row can hold are blocks that fail, not errors.
+        for bad in ({"checksum": 2**64}, {"offset": -1}, {"offset": 2**64}, {"gen": 2**70}, {"length": -5}):
+            assert ShmTransport.read_many(arena, [places[0]._replace(**bad)] + places[1:], dests, keys, math.inf) == 0
+        assert ShmTransport.read_many(arena, places[:1] + [places[1]._replace(offset=2**63)], dests, keys, math.inf) == 1
+    finally:
+        arena.close()
+
+
+def test_the_native_copy_is_built_where_it_can_be():
+    """A machine with a C compiler and xxhash.h (scripts/setup.sh installs libxxhash-dev as root)
+    must have it: a build that broke would otherwise only show as slower reads."""
+    include = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    header = any(Path(d, "xxhash.h").exists() for d in ("/usr/include", "/usr/local/include"))
+    if not (shutil.which("cc") or shutil.which("gcc")) or not header or not include.exists():
+        pytest.skip("no C compiler, xxhash.h or Python.h here")
+    assert native.impl is not None, "kvstore/transport/copy.c was not built: pip install -e . shows why"
+    assert native.name().startswith("_copy")
