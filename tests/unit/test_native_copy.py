@@ -123,7 +123,9 @@ def test_a_run_stops_at_its_deadline_and_bad_arguments_are_typed_errors(tmp_path
         # Values no wire row can hold are blocks that fail, not errors.
         for bad in ({"checksum": 2**64}, {"offset": -1}, {"offset": 2**64}, {"gen": 2**70}, {"length": -5}):
             assert ShmTransport.read_many(arena, [places[0]._replace(**bad)] + places[1:], dests, keys, math.inf) == 0
-        assert ShmTransport.read_many(arena, places[:1] + [places[1]._replace(offset=2**63)], dests, keys, math.inf) == 1
+        assert (
+            ShmTransport.read_many(arena, places[:1] + [places[1]._replace(offset=2**63)], dests, keys, math.inf) == 1
+        )
     finally:
         arena.close()
 
@@ -137,3 +139,28 @@ def test_the_native_copy_is_built_where_it_can_be():
         pytest.skip("no C compiler, xxhash.h or Python.h here")
     assert native.impl is not None, "kvstore/transport/copy.c was not built: pip install -e . shows why"
     assert native.name().startswith("_copy")
+
+
+@needs_native
+@pytest.mark.parametrize("length", [(1 << 20) + 1, (3 << 20) + 4097, 5 << 20])
+def test_blocks_past_the_chunked_size_are_copied_and_verified_whole(tmp_path: Path, length: int, monkeypatch):
+    """Blocks over 1 MiB are copied and checksummed chunk by chunk: every byte still counts."""
+    rng = np.random.default_rng(length)
+    arena = ShmArena(tmp_path / "arena", 8 << 20, create=True)
+    try:
+        data = rng.integers(0, 256, length, dtype=np.uint8)
+        arena.array[HEADER_SIZE : HEADER_SIZE + length] = data
+        key = rng.bytes(16)
+        arena.commit(Sealer(b"k" * 32), 0, key, length, checksum(data), 3)
+        place = Placement(None, None, 0, length, checksum(data), 3)
+        out = np.empty(length, np.uint8)
+        assert ShmTransport.read_many(arena, [place], [out], [key], math.inf) == 1
+        assert np.array_equal(out, data)
+        for at in (0, 4095, 4096, length // 2, length - 1):  # a flipped byte anywhere is caught
+            arena.array[HEADER_SIZE + at] ^= 0x01
+            assert ShmTransport.read_many(arena, [place], [out], None, math.inf) == 0, at
+            assert _python(arena, [place], [out], None, math.inf, monkeypatch) == 0
+            arena.array[HEADER_SIZE + at] ^= 0x01
+        assert ShmTransport.read_many(arena, [place], [out], None, math.inf) == 1
+    finally:
+        arena.close()
