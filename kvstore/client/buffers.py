@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+from kvstore.transport import native
 
 # Copies larger than this run in a worker thread so the event loop stays responsive, and are
 # split over ``client.io_threads`` threads (memcpy and xxh3 release the GIL).
@@ -25,8 +26,11 @@ _U8 = np.dtype(np.uint8)
 
 def byte_views(objs: Sequence[Any], writable: bool) -> list[np.ndarray]:
     """:func:`byte_view` of each of ``objs`` (errors name ``buffers[i]``); 1-D uint8 arrays, the
-    common case, pass with a few attribute reads each."""
+    common case, pass as they are (checked in one native call where there is one, else with a
+    few attribute reads each)."""
     out = list(objs)
+    if native.impl is not None and native.impl.byte_arrays(out, np.ndarray, writable):
+        return out
     for i, obj in enumerate(out):
         if type(obj) is np.ndarray and obj.dtype is _U8 and obj.ndim == 1:
             f = obj.flags

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvstore.client.buffers import INLINE_COPY_BYTES, byte_view
+from kvstore.client.buffers import INLINE_COPY_BYTES, byte_views
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
 from kvstore.extent import checksum
 from kvstore.keys import KEY_BYTES, pack_keys
@@ -47,10 +47,10 @@ class Writes:
         n = len(packed) // KEY_BYTES
         if len(buffers) != n:
             raise InvalidArgument(f"put: {len(buffers)} buffers for {n} keys")
-        srcs = [byte_view(b, writable=False, what=f"buffers[{i}]") for i, b in enumerate(buffers)]
-        for i, s in enumerate(srcs):
-            if s.size == 0:
-                raise InvalidArgument(f"buffers[{i}] is empty: blocks must hold at least one byte")
+        srcs = byte_views(buffers, writable=False)
+        if 0 in map(len, srcs):
+            i = list(map(len, srcs)).index(0)
+            raise InvalidArgument(f"buffers[{i}] is empty: blocks must hold at least one byte")
         self._prune()
         stored = skipped = rejected = no_space = 0
         todo = list(range(n))

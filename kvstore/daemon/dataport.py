@@ -34,7 +34,7 @@ from kvstore import tickets
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.daemon.staging import Staging
-from kvstore.extent import HEADER_SIZE, SSD_ALIGN, Sealer, checksum
+from kvstore.extent import HEADER_SIZE, SSD_ALIGN, ExtentHeader, Sealer, checksum
 from kvstore.transport.frames import (
     DIRECT,
     ENTRY,
@@ -61,6 +61,8 @@ log = logging.getLogger("kvstore.daemon.dataport")
 
 READ_AHEAD = 2  # SSD blocks read ahead of the one being sent, per connection
 _STATUS = {int(st): bytes((st,)) for st in EntryStatus}
+# Tickets remembered as verified, and sealed headers remembered as parsed (DataPort), at most.
+_VERIFIED_MAX = 1 << 16
 # Bytes of block payloads gathered into one send on a read.
 _GATHER_BYTES = 1 << 20
 _READ_STATUS = {"checksum": EntryStatus.CHECKSUM, "io": EntryStatus.IO_ERROR}
@@ -73,12 +75,18 @@ def check_entries(
     max_block_bytes: int,
     ticket_key: bytes | Callable[[int, int], bytes],
     skew_s: float,
+    verified: dict | None = None,
 ) -> list:
     """The segments (anything with a ``size``) that a frame's entries name, once every entry is
     checked: a known segment, an extent inside it, a length within ``max_block_bytes``, and
     (given a ``ticket_key``, or a function of (segment id, offset) giving the key of that extent's
-    metadata shard) a capability ticket for exactly this entry. Pure: the frame parser
-    that the property tests and the atheris harness drive. Raises FrameError."""
+    metadata shard) a capability ticket for exactly this entry. Pure but for ``verified``: the
+    frame parser that the property tests and the atheris harness drive. Raises FrameError.
+
+    ``verified`` (optional) remembers tickets whose MAC matched, with everything the MAC covers
+    and the key that checked it, so that a ticket used again (a client re-reading a block it
+    knows) costs a lookup instead of a keyed hash; its expiry is checked every time. Bounded by
+    ``_VERIFIED_MAX`` entries (cleared when full)."""
     arenas = []
     signed = bool(ticket_key) and op in (Op.READ, Op.WRITE)
     top = tickets.READ if op == Op.READ else tickets.WRITE
@@ -96,9 +104,18 @@ def check_entries(
             k = ticket_key(seg_id, off) if callable(ticket_key) else ticket_key
             if not k:
                 raise TicketError(f"entry {i}: no metadata shard has handed out extent {off} of segment {seg_id}")
-            why = tickets.check(k, top, seg_id, off, length, gen, expiry, key, tag, skew_s)
-            if why:
-                raise TicketError(f"entry {i}: {why}")
+            signed_entry = (k, top, seg_id, off, length, gen, expiry, key, tag)
+            if verified is not None and signed_entry in verified:
+                if expiry + skew_s < time.time():
+                    raise TicketError(f"entry {i}: ticket expired")
+            else:
+                why = tickets.check(k, top, seg_id, off, length, gen, expiry, key, tag, skew_s)
+                if why:
+                    raise TicketError(f"entry {i}: {why}")
+                if verified is not None:
+                    if len(verified) >= _VERIFIED_MAX:
+                        verified.clear()
+                    verified[signed_entry] = True
         arenas.append(arena)
     return arenas
 
@@ -136,6 +153,8 @@ class DataPort:
         self.idle_timeout_s = idle_timeout_s
         self.max_block_bytes = max_block_bytes
         self._sealer = sealer
+        self._verified: dict = {}  # tickets whose MAC matched (check_entries)
+        self._headers: dict = {}  # (segment, offset) -> (header bytes, parsed) (_header)
         self._sock = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
@@ -278,7 +297,9 @@ class DataPort:
     def _check(self, entries: list[tuple], op: int) -> list:
         key = self.ticket_key if self.require_tickets else b""
         try:
-            return check_entries(entries, op, self._segments(), self.max_block_bytes, key, self.ticket_skew_s)
+            return check_entries(
+                entries, op, self._segments(), self.max_block_bytes, key, self.ticket_skew_s, self._verified
+            )
         except TicketError:
             self.counters["ticket_refused"] += 1
             raise
@@ -312,7 +333,6 @@ class DataPort:
         msg = self.staging.message if slots else b""  # type: ignore[union-attr]
         conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), len(msg)) + msg)
         longest = max((entries[i][4] for i in ssd_idx if i not in slots), default=0)
-        sealer = self._sealer
         ring = self._ring(SsdSegment.staging_bytes(longest) if longest else 0, READ_AHEAD + 1)
         next_ssd = 0
 
@@ -347,7 +367,7 @@ class DataPort:
                     done_ssd += 1
                     status = EntryStatus.OK if st.ok else _READ_STATUS.get(st.reason, EntryStatus.MISMATCH)
                 else:
-                    h = sealer.parse(seg.view, off)
+                    h = self._header(seg, off)
                     ok = h is not None and h.key == key and h.length == length and h.gen == gen
                     status = EntryStatus.OK if ok else EntryStatus.MISMATCH
                     payload = seg.view[off + HEADER_SIZE : off + HEADER_SIZE + length] if ok else None
@@ -372,6 +392,22 @@ class DataPort:
             wait(ahead.values())
         self.counters["reads"] += len(entries)
         self.counters["read_bytes"] += sent
+
+    def _header(self, seg: ShmArena, off: int) -> ExtentHeader | None:
+        """The sealed header of the DRAM extent at ``off`` (None: none, or not sealed by this
+        daemon for that offset). A header whose bytes are those parsed last time at that offset is
+        not checked again: the seal covers only the bytes and the offset, so the same bytes there
+        pass or fail the same way."""
+        raw = bytes(seg.view[off : off + HEADER_SIZE])
+        memo = self._headers.get((id(seg), off))
+        if memo is not None and memo[0] == raw:
+            return memo[1]
+        h = self._sealer.parse(raw, 0, at=off)
+        if h is not None:
+            if len(self._headers) >= _VERIFIED_MAX:
+                self._headers.clear()
+            self._headers[(id(seg), off)] = (raw, h)
+        return h
 
     def _slots(self, entries: list[tuple], arenas: list, ssd_idx: list[int]) -> dict[int, np.ndarray]:
         """Places in this connection's staging slice for the SSD entries that fit, in order."""

@@ -222,6 +222,35 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(byte_arrays_doc,
+    "byte_arrays(objs, array_type, writable) -> bool\n\n"
+    "Whether every one of ``objs`` is exactly of ``array_type`` (numpy.ndarray) and exports a\n"
+    "1-D, C-contiguous buffer of unsigned bytes (writable, if ``writable``): what a read or a\n"
+    "write takes as is, checked for a whole list in one call.");
+
+static PyObject *byte_arrays(PyObject *self, PyObject *args) {
+    PyObject *objs, *type;
+    int writable;
+    if (!PyArg_ParseTuple(args, "OOp", &objs, &type, &writable)) return NULL;
+    PyObject *seq = PySequence_Fast(objs, "objs must be a sequence");
+    if (seq == NULL) return NULL;
+    int ok = 1;
+    int flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+        Py_buffer view;
+        if ((PyObject *)Py_TYPE(o) != type || PyObject_GetBuffer(o, &view, flags) < 0) {
+            PyErr_Clear();
+            ok = 0;
+            break;
+        }
+        ok = view.ndim == 1 && view.itemsize == 1 && view.format != NULL && strcmp(view.format, "B") == 0;
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(seq);
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *cpu_ok(PyObject *self, PyObject *unused) {
 #if defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
@@ -233,6 +262,7 @@ static PyObject *cpu_ok(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"read_many", read_many, METH_VARARGS, read_many_doc},
+    {"byte_arrays", byte_arrays, METH_VARARGS, byte_arrays_doc},
     {"cpu_ok", cpu_ok, METH_NOARGS, "Whether this CPU runs this build (AVX2 for _copy_avx2)."},
     {NULL, NULL, 0, NULL},
 };

@@ -24,7 +24,12 @@ KEY = b"\x07" * tickets.KEY_BYTES
 EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "400"))
 
 
-def parse(data: bytes, key: bytes = b"") -> tuple[int, list] | None:
+# Tickets the parser remembers as verified, shared across examples (as a daemon's data port does),
+# so that the property tests also drive the remembered path.
+VERIFIED: dict = {}
+
+
+def parse(data: bytes, key: bytes = b"", verified: dict | None = VERIFIED) -> tuple[int, list] | None:
     """The parser as the daemon runs it on one frame; None where it refuses the frame."""
     try:
         op, _rid, count = check_head(data[: REQ_HEAD.size])
@@ -32,7 +37,7 @@ def parse(data: bytes, key: bytes = b"") -> tuple[int, list] | None:
         if len(body) < count * ENTRY.size:
             return None  # the daemon would wait for the rest, then see the peer close
         entries = list(ENTRY.iter_unpack(body)) if count else []
-        check_entries(entries, op, SEGMENTS, LIMIT, key, tickets.SKEW_S)
+        check_entries(entries, op, SEGMENTS, LIMIT, key, tickets.SKEW_S, verified)
         return op, entries
     except FrameError:
         return None
@@ -90,4 +95,27 @@ def test_a_signed_entry_is_accepted_and_any_change_refused():
         assert parse(head + ENTRY.pack(*bad), KEY) is None, f"field {i} changed and still accepted"
     write = REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1)
     assert parse(write + ENTRY.pack(*good), KEY) is None  # a read ticket does not write
+    assert parse(head + ENTRY.pack(*good), b"\x08" * tickets.KEY_BYTES) is None  # another daemon key
     assert time.time() < expiry + tickets.SKEW_S
+
+
+def test_a_remembered_ticket_still_expires_and_the_memory_is_bounded(monkeypatch):
+    from kvstore.daemon import dataport
+
+    k, seg, off, length, gen = b"c" * 16, 2, 8192, 4000, 5
+    tag, expiry = tickets.TICKET.unpack(tickets.issue(KEY, tickets.READ, seg, off, length, gen, k, 10))
+    frame = REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(k, seg, expiry, off, length, 0, gen, tag)
+    verified: dict = {}
+    assert parse(frame, KEY, verified) is not None
+    assert len(verified) == 1
+    assert parse(frame, KEY, verified) is not None  # remembered
+    later = time.time() + 10 + tickets.SKEW_S + 5
+    monkeypatch.setattr(dataport.time, "time", lambda: later)
+    assert parse(frame, KEY, verified) is None  # past its expiry, remembered or not
+    monkeypatch.undo()
+    monkeypatch.setattr(dataport, "_VERIFIED_MAX", 4)
+    for g in range(10):
+        t, e = tickets.TICKET.unpack(tickets.issue(KEY, tickets.READ, seg, off, length, g, k, 10))
+        f = REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(k, seg, e, off, length, 0, g, t)
+        assert parse(f, KEY, verified) is not None
+        assert len(verified) <= 4

@@ -164,3 +164,46 @@ def test_blocks_past_the_chunked_size_are_copied_and_verified_whole(tmp_path: Pa
         assert ShmTransport.read_many(arena, [place], [out], None, math.inf) == 1
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_buffer_checks_answer_the_same_with_and_without_the_native_copy(writable: bool, monkeypatch):
+    """byte_views takes a list of 1-D uint8 arrays as it is after one native check; anything else
+    goes through byte_view, with the same views or the same errors as without it."""
+    from kvstore.client.buffers import byte_views
+    from kvstore.errors import InvalidArgument
+
+    ro = np.ones(8, np.uint8)
+    ro.flags.writeable = False
+    cases = [
+        [np.ones(8, np.uint8), np.zeros(3, np.uint8)],
+        [np.ones(8, np.uint8)[::2]],
+        [np.ones((2, 4), np.uint8)],
+        [np.ones(4, np.float16)],
+        [np.ones(4, np.int8)],
+        [ro],
+        [bytearray(5)],
+        [b"abc"],
+        [memoryview(bytearray(6)).cast("B", (2, 3))],
+        [],
+        [np.ones(2, np.uint8), 7],
+    ]
+
+    def run() -> list:
+        out = []
+        for c in cases:
+            try:
+                out.append([(v.dtype.str, v.size, v.tobytes()) for v in byte_views(c, writable)])
+            except InvalidArgument as e:
+                out.append(str(e))
+        return out
+
+    want = run()
+    with monkeypatch.context() as m:
+        m.setattr(native, "impl", None)
+        assert run() == want
+    first = cases[0]
+    if native.impl is not None:
+        assert byte_views(first, writable)[0] is first[0]  # taken as is
+    assert isinstance(want[1], str) and isinstance(want[-1], str)
+    assert isinstance(want[5], str) if writable else not isinstance(want[5], str)
