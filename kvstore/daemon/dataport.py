@@ -1,8 +1,9 @@
 """The daemon's data port: batched reads and writes of extents over framed TCP
 (:mod:`kvstore.transport.frames`), straight between the socket and the arena.
 
-One thread per connection with blocking sockets: ``recv_into`` the arena and ``sendall`` from
-it release the GIL, so the kernel copy is the only copy. Frames are validated whole before any
+One thread per connection with blocking sockets: ``recv_into`` the arena and ``sendmsg`` from
+it (a read's answers gathered, up to a MiB of blocks per call) release the GIL, so the kernel
+copy is the only copy. Frames are validated whole before any
 byte is applied; a bad frame gets its reason back and the connection is closed.
 
 Bounds, so that a peer cannot make the daemon hold threads or memory at will: at most
