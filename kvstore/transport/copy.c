@@ -6,7 +6,8 @@
  * copies and the header comparisons run with the GIL released.
  *
  * Built twice by setup.py (optional extensions): _copy (the compiler's default vector unit) and
- * _copy_avx2 (-mavx2, used where the CPU has AVX2); KV_MODULE names the module. Needs xxhash.h
+ * _copy_avx2 (-mavx2, imported only where _copy.has_avx2() says the CPU has AVX2); KV_MODULE
+ * names the module. Needs xxhash.h
  * (Debian: libxxhash-dev); xxh3-64 is stable across xxhash versions since 0.8.0, so these
  * checksums equal the xxhash Python package's.
  */
@@ -251,19 +252,22 @@ static PyObject *byte_arrays(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
-static PyObject *cpu_ok(PyObject *self, PyObject *unused) {
-#if defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+/* Whether this CPU has AVX2. Asked of the default build (compiled without -mavx2) before the
+ * AVX2 build is imported at all: code compiled with -mavx2 may use AVX2 anywhere, even while
+ * the module loads. */
+static PyObject *has_avx2(PyObject *self, PyObject *unused) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
     return PyBool_FromLong(__builtin_cpu_supports("avx2"));
 #else
-    Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 #endif
 }
 
 static PyMethodDef methods[] = {
     {"read_many", read_many, METH_VARARGS, read_many_doc},
     {"byte_arrays", byte_arrays, METH_VARARGS, byte_arrays_doc},
-    {"cpu_ok", cpu_ok, METH_NOARGS, "Whether this CPU runs this build (AVX2 for _copy_avx2)."},
+    {"has_avx2", has_avx2, METH_NOARGS, "Whether this CPU has AVX2 (ask the default build)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,17 +11,32 @@ import os
 from types import ModuleType
 
 
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"kvstore.transport.{name}")
+    except ImportError:
+        return None
+
+
+def _cpuinfo_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx2" in line for line in f)
+    except OSError:
+        return False
+
+
 def _load() -> ModuleType | None:
+    """The AVX2 build where the CPU has AVX2 (asked before that build is imported: it may use
+    AVX2 while it loads), else the default one, else None."""
     if os.environ.get("KVSTORE_NATIVE", "1") == "0":
         return None
-    for name in ("_copy_avx2", "_copy"):
-        try:
-            mod = importlib.import_module(f"kvstore.transport.{name}")
-        except ImportError:
-            continue
-        if mod.cpu_ok():
-            return mod
-    return None
+    base = _module("_copy")
+    if base.has_avx2() if base is not None else _cpuinfo_avx2():
+        fast = _module("_copy_avx2")
+        if fast is not None:
+            return fast
+    return base
 
 
 impl: ModuleType | None = _load()

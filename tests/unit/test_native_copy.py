@@ -207,3 +207,13 @@ def test_buffer_checks_answer_the_same_with_and_without_the_native_copy(writable
         assert byte_views(first, writable)[0] is first[0]  # taken as is
     assert isinstance(want[1], str) and isinstance(want[-1], str)
     assert isinstance(want[5], str) if writable else not isinstance(want[5], str)
+
+
+@needs_native
+def test_the_avx2_build_is_chosen_only_where_the_cpu_has_avx2():
+    """The default build answers for the CPU (it runs anywhere), the same as /proc/cpuinfo; the
+    AVX2 build is used only where it says yes."""
+    base = pytest.importorskip("kvstore.transport._copy")
+    assert base.has_avx2() == native._cpuinfo_avx2()
+    if native.name() == "_copy_avx2":
+        assert base.has_avx2()
