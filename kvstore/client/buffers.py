@@ -21,23 +21,13 @@ from kvstore.transport import native
 INLINE_COPY_BYTES = 8 << 20
 
 
-_U8 = np.dtype(np.uint8)
-
-
 def byte_views(objs: Sequence[Any], writable: bool) -> list[np.ndarray]:
-    """:func:`byte_view` of each of ``objs`` (errors name ``buffers[i]``); 1-D uint8 arrays, the
-    common case, pass as they are (checked in one native call where there is one, else with a
-    few attribute reads each)."""
+    """:func:`byte_view` of each of ``objs`` (errors name ``buffers[i]``); a list of 1-D uint8
+    arrays, the common case, is taken as it is after one native check where there is one."""
     out = list(objs)
     if native.impl is not None and native.impl.byte_arrays(out, np.ndarray, writable):
         return out
-    for i, obj in enumerate(out):
-        if type(obj) is np.ndarray and obj.dtype is _U8 and obj.ndim == 1:
-            f = obj.flags
-            if f.c_contiguous and (f.writeable or not writable):
-                continue
-        out[i] = byte_view(obj, writable, f"buffers[{i}]")
-    return out
+    return [byte_view(obj, writable, f"buffers[{i}]") for i, obj in enumerate(out)]
 
 
 def byte_view(obj: Any, writable: bool, what: str = "buffer") -> np.ndarray:

@@ -48,8 +48,9 @@ class Writes:
         if len(buffers) != n:
             raise InvalidArgument(f"put: {len(buffers)} buffers for {n} keys")
         srcs = byte_views(buffers, writable=False)
-        if 0 in map(len, srcs):
-            i = list(map(len, srcs)).index(0)
+        sizes = list(map(len, srcs))
+        if 0 in sizes:
+            i = sizes.index(0)
             raise InvalidArgument(f"buffers[{i}] is empty: blocks must hold at least one byte")
         self._prune()
         stored = skipped = rejected = no_space = 0

@@ -81,7 +81,7 @@ static int as_u64(PyObject *o, uint64_t *out) {
 #define CHUNK 4096
 #define FUSE_ABOVE (1u << 20)
 static uint64_t copy_hash(uint8_t *dst, const uint8_t *src, uint64_t len, XXH3_state_t *state) {
-    if (state == NULL || len <= FUSE_ABOVE) {
+    if (len <= FUSE_ABOVE) {
         memcpy(dst, src, len);
         return XXH3_64bits(dst, len);
     }
@@ -96,12 +96,12 @@ static uint64_t copy_hash(uint8_t *dst, const uint8_t *src, uint64_t len, XXH3_s
 
 /* Copies and verifies blocks[0..n) in order; returns how many leading blocks passed. */
 static Py_ssize_t run_blocks(block_t *b, Py_ssize_t n, double deadline) {
-    XXH3_state_t state_mem, *state = &state_mem;
+    XXH3_state_t state;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (deadline > 0 && monotonic_s() > deadline) return i;
+        if (monotonic_s() > deadline) return i;
         if (b[i].header != NULL && memcmp(b[i].header, b[i].head, HEAD_BYTES) != 0) return i;
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        if (copy_hash(b[i].dst, b[i].src, b[i].length, state) != b[i].checksum) return i;
+        if (copy_hash(b[i].dst, b[i].src, b[i].length, &state) != b[i].checksum) return i;
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         /* The header read again after the copy: an extent freed or reused meanwhile had its
          * header cleared (or rewritten with another key or generation) first. */
@@ -121,7 +121,7 @@ PyDoc_STRVAR(read_many_doc,
     "None) the extent's header must also name the block (prefix, the placement's key or keys[i],\n"
     "length, checksum, generation) before and after the copy. Stops at the first block that fails\n"
     "any check, lies outside the arena, has a buffer of another size, or starts after ``deadline``\n"
-    "(time.monotonic seconds; 0 or less: none). Returns how many leading blocks were loaded.");
+    "(time.monotonic seconds; inf: none). Returns how many leading blocks were loaded.");
 
 static PyObject *read_many(PyObject *self, PyObject *args) {
     PyObject *arena_obj, *places, *dests, *keys;
