@@ -10,8 +10,13 @@ the repository's filesystem):
 
 - SSD-tier ``put`` and ``get_into`` GB/s through the client (a daemon whose DRAM segment is too
   small for any block, so every block is written to and read from its SSD segment through the
-  data port; the daemon reads with O_DIRECT, verifies and streams), against a raw sequential
-  O_DIRECT write and read of the same byte count in the same block size (``ssd_read_over_raw``);
+  data port; the daemon reads with O_DIRECT into its staging region and verifies there, the
+  client copies once), against raw O_DIRECT writes and reads of the same byte count in the same
+  block size, with as many reads in flight as kvstore keeps. Each repetition reads the raw file
+  just before and just after kvstore's get and compares the get with their mean (this device's
+  speed drifts within seconds); ``ssd_read_over_raw`` is the median of those ratios. The share of
+  each read's time the device was busy (io_ticks of /proc/diskstats) says whether the disk or
+  kvstore was the limit;
 - lz4 ratio and GB/s with and without byte-shuffle, on KV produced by a real forward pass of the
   engine's model when the engine is importable (else on normally distributed bf16 and fp16
   tensors, and the report says so);
@@ -70,39 +75,67 @@ def aligned(size: int) -> np.ndarray:
     return a
 
 
-def raw_direct(path: Path, blocks: list[np.ndarray], inflight: int = 1) -> tuple[float, float, float]:
-    """Seconds for a sequential O_DIRECT write and read of ``blocks`` (no fsync: the same
-    durability as the daemon's default ``fast`` mode, whose direct writes also skip the page
-    cache), and for the same reads with ``inflight`` of them in flight (threads, each with its
-    own aligned buffer), as many as kvstore keeps in flight."""
-    size = blocks[0].size
-    buf = aligned(size)
-    bufs = [aligned(size) for _ in range(inflight)]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size * len(blocks))
+def io_ticks(path: Path):  # noqa: ANN201 - a function, or None
+    """A function giving the milliseconds the block device under ``path`` has been busy (the
+    io_ticks of /proc/diskstats), or None where that is not known."""
+    st = os.stat(path)
+    dev = (os.major(st.st_dev), os.minor(st.st_dev))
+
+    def ticks() -> int | None:
+        try:
+            with open("/proc/diskstats") as f:
+                for line in f:
+                    parts = line.split()
+                    if (int(parts[0]), int(parts[1])) == dev:
+                        return int(parts[12])
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    return ticks if ticks() is not None else None
+
+
+class RawFile:
+    """The baseline: the same bytes in the same block size, in a file of its own on the same
+    filesystem, written with O_DIRECT (no fsync: the same durability as the daemon's default
+    ``fast`` mode, whose direct writes also skip the page cache) and read with O_DIRECT, one
+    read at a time or ``inflight`` at a time (threads, each with its own aligned buffer), as
+    many as kvstore keeps in flight."""
+
+    def __init__(self, path: Path, blocks: list[np.ndarray], inflight: int) -> None:
+        self.path, self.blocks, self.inflight = path, blocks, inflight
+        self.size = blocks[0].size
+        self.buf = aligned(self.size)
+        self.bufs = [aligned(self.size) for _ in range(inflight)]
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        os.posix_fallocate(self.fd, 0, self.size * len(blocks))
+
+    def write(self) -> float:
         t = time.perf_counter()
-        for i, b in enumerate(blocks):
-            buf[:] = b  # the same staging copy the daemon makes
-            os.pwrite(fd, buf, i * size)
-        t_write = time.perf_counter() - t
+        for i, b in enumerate(self.blocks):
+            self.buf[:] = b  # the same staging copy the daemon makes
+            os.pwrite(self.fd, self.buf, i * self.size)
+        return time.perf_counter() - t
+
+    def read_sequential(self) -> float:
         t = time.perf_counter()
-        for i in range(len(blocks)):
-            os.preadv(fd, [buf], i * size)
-        t_read = time.perf_counter() - t
+        for i in range(len(self.blocks)):
+            os.preadv(self.fd, [self.buf], i * self.size)
+        return time.perf_counter() - t
+
+    def read(self) -> None:
+        n, k_in = len(self.blocks), self.inflight
 
         def lane(k: int) -> None:  # reads k, k + inflight, ... into its own buffer
-            for i in range(k, len(blocks), inflight):
-                os.preadv(fd, [bufs[k]], i * size)
+            for i in range(k, n, k_in):
+                os.preadv(self.fd, [self.bufs[k]], i * self.size)
 
-        t = time.perf_counter()
-        with ThreadPoolExecutor(inflight) as ex:
-            list(ex.map(lane, range(inflight)))
-        t_par = time.perf_counter() - t
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return t_write, t_read, t_par
+        with ThreadPoolExecutor(k_in) as ex:
+            list(ex.map(lane, range(k_in)))
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
 
 
 def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bool = True) -> dict:
@@ -116,31 +149,67 @@ def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bo
     dests = [np.ones(b.size, np.uint8) for b in blocks]
     ks = KeySpace(ModelFingerprint("bench-ssd", "bf16", 32, 8, 128))
     out: dict = {"block_bytes": blocks[0].size, "blocks": n, "bytes": n * blocks[0].size}
-    samples: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read_seq", "raw_read", "ssd_put", "ssd_get")}
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("raw_write", "raw_read_seq", "raw_read", "ssd_put", "ssd_get", "read_ratio", "write_ratio")
+    }
+    busy: dict[str, list[float]] = {"raw_read": [], "ssd_get": []}
+    ticks = io_ticks(work)
     out["raw_inflight"] = INFLIGHT
+
+    def timed(fn):  # noqa: ANN001, ANN202 - its answer, seconds, and the device's busy share meanwhile
+        k0 = ticks() if ticks else None
+        t = time.perf_counter()
+        ret = fn()
+        dt = time.perf_counter() - t
+        k1 = ticks() if ticks else None
+        share = (k1 - k0) / 1000 / dt if k0 is not None and k1 is not None else float("nan")
+        return ret, dt, share
+
     try:
         with SyncKVStoreClient(minfo["meta"], ClientConfig(rpc_timeout_s=120, io_timeout_s=120)) as c:
             for rep in tqdm(range(reps + 1), desc="ssd throughput", unit="rep"):
                 keys = ks.block_keys(np.arange(rep * n * 16, (rep + 1) * n * 16))
-                tw, tr, tp = raw_direct(work / "raw.bin", blocks, INFLIGHT)
-                t = time.perf_counter()
-                res = c.put(keys, blocks)
-                t_put = time.perf_counter() - t
+                # Every read, kvstore's and the baseline's, is the first read of bytes just
+                # written (a re-read of the same file comes faster on this virtual disk).
+                raw = RawFile(work / "raw.bin", blocks, INFLIGHT)
+                try:
+                    tw = raw.write()
+                    _, tp0, busy_raw0 = timed(raw.read)
+                finally:
+                    raw.close()
+                res, t_put, _ = timed(lambda: c.put(keys, blocks))  # noqa: B023
                 assert res.stored == n, f"stored {res.stored} of {n}"
                 tiers = {s.tier: s.blocks for s in c.stats().segments}
                 assert tiers.get(2, 0) >= n, f"blocks not on SSD: {tiers}"
-                t = time.perf_counter()
-                got = c.get_into(keys, dests)
-                t_get = time.perf_counter() - t
+                got, t_get, busy_get = timed(lambda: c.get_into(keys, dests))  # noqa: B023
                 assert got == n and np.array_equal(dests[-1], blocks[-1])
+                # The raw reads again, after: kvstore's get is bracketed by two baseline runs and
+                # compared with their mean, since this device's speed drifts within seconds.
+                raw = RawFile(work / "raw.bin", blocks, INFLIGHT)
+                try:
+                    raw.write()
+                    _, tp1, busy_raw1 = timed(raw.read)
+                finally:
+                    raw.close()
+                raw = RawFile(work / "raw.bin", blocks, 1)
+                try:
+                    raw.write()
+                    tr = raw.read_sequential()
+                finally:
+                    raw.close()
                 c.remove(keys)
                 if rep:
                     nbytes = out["bytes"]
+                    tp = (tp0 + tp1) / 2
                     samples["raw_write"].append(nbytes / tw / 1e9)
                     samples["raw_read_seq"].append(nbytes / tr / 1e9)
                     samples["raw_read"].append(nbytes / tp / 1e9)
                     samples["ssd_put"].append(nbytes / t_put / 1e9)
                     samples["ssd_get"].append(nbytes / t_get / 1e9)
+                    samples["read_ratio"].append(tp / t_get)
+                    samples["write_ratio"].append(tw / t_put)
+                    busy["raw_read"].append((busy_raw0 + busy_raw1) / 2)
+                    busy["ssd_get"].append(busy_get)
     finally:
         for p in (daemon, meta):
             p.terminate()
@@ -148,9 +217,17 @@ def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bo
         if os.path.exists(dinfo["shm_path"]):
             os.unlink(dinfo["shm_path"])
     for k, v in samples.items():
-        out[f"{k}_gbps"] = round(statistics.median(v), 3)
-    out["ssd_read_over_raw"] = round(out["ssd_get_gbps"] / out["raw_read_gbps"], 3)
-    out["ssd_write_over_raw"] = round(out["ssd_put_gbps"] / out["raw_write_gbps"], 3)
+        if not k.endswith("_ratio"):
+            out[f"{k}_gbps"] = round(statistics.median(v), 3)
+    # Each repetition's ratio pairs measurements seconds apart; the figure is their median.
+    out["ssd_read_over_raw"] = round(statistics.median(samples["read_ratio"]), 3)
+    out["ssd_read_over_raw_reps"] = [round(x, 3) for x in samples["read_ratio"]]
+    out["ssd_write_over_raw"] = round(statistics.median(samples["write_ratio"]), 3)
+    # The share of the get's time the device was busy (io_ticks): below the raw reads' share,
+    # the disk waited on kvstore; at it, the disk itself is the limit.
+    for k, v in busy.items():
+        if v and all(x == x for x in v):  # NaN: the device's busy time is not known
+            out[f"{k}_device_busy"] = round(statistics.median(v), 3)
     return out
 
 
@@ -265,7 +342,7 @@ def main() -> int:
     ap.add_argument("--no-report", action="store_true")
     ns = ap.parse_args()
     total = (128 << 20) if ns.quick else (512 << 20)
-    reps = 2 if ns.quick else 4
+    reps = 2 if ns.quick else 8
     restart_blocks = 20_000 if ns.quick else 100_000
     base = ns.dir or Path(tempfile.gettempdir())
     cmd = "python bench/tier_throughput.py" + (" --quick" if ns.quick else "")
@@ -314,7 +391,10 @@ def render(r: dict) -> str:
         " there, the client copies it once; `kvstore/daemon/staging.py`). Baselines, same bytes, block size,"
         " filesystem and run: a sequential O_DIRECT write; O_DIRECT reads with "
         f"{t.get('raw_inflight', 1)} in flight (threads), as many as kvstore keeps (`READ_AHEAD` per data-port"
-        " connection x the client's I/O threads), and the same reads one at a time. Medians of repetitions.",
+        " connection x the client's I/O threads), and the same reads one at a time. Every repetition reads the raw"
+        " file just before and just after kvstore's get and compares the get with their mean, since this device's"
+        " speed drifts within seconds; ratios are medians of those per-repetition ratios, GB/s medians of"
+        " repetitions.",
         "",
         "| block | bytes | raw write GB/s | kvstore put GB/s | put/raw | raw read GB/s "
         f"({t.get('raw_inflight', 1)} in flight) | raw read GB/s (1 in flight) | kvstore get GB/s | get/raw |",
@@ -322,6 +402,14 @@ def render(r: dict) -> str:
         f"| {t['block_bytes'] // 1024} KiB | {t['bytes'] / 2**20:.0f} MiB | {t['raw_write_gbps']:.2f} | {t['ssd_put_gbps']:.2f} "
         f"| {t['ssd_write_over_raw']:.2f} | {t['raw_read_gbps']:.2f} | {t.get('raw_read_seq_gbps', float('nan')):.2f} "
         f"| {t['ssd_get_gbps']:.2f} | **{t['ssd_read_over_raw']:.2f}** |",
+        "",
+        f"Per-repetition get/raw ratios: {', '.join(f'{x:.2f}' for x in t.get('ssd_read_over_raw_reps', []))}."
+        + (
+            f" Share of the time the device was busy (io_ticks): {t['ssd_get_device_busy']:.2f} during kvstore's gets,"
+            f" {t['raw_read_device_busy']:.2f} during the raw reads."
+            if "ssd_get_device_busy" in t
+            else ""
+        ),
         "",
         f"Buffered I/O instead (`daemon.ssd_direct_io=false`, same run): put {r['throughput_buffered']['ssd_put_gbps']:.2f} GB/s,"
         f" get {r['throughput_buffered']['ssd_get_gbps']:.2f} GB/s (gets are then served from the page cache, memory that"

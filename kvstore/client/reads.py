@@ -35,7 +35,7 @@ _MAX_TOUCH_KEYS = 1 << 16
 _TOUCH_DELAY_S = 0.05
 # Shared-memory reads of blocks below this mean size are not split over the I/O threads.
 SHM_SPLIT_BLOCK_BYTES = 256 << 10
-# A staged request's bytes before the daemon said what its slices hold.
+# A staged request's bytes before the daemon said how many one request may stage.
 _FIRST_SLICE_BYTES = 4 << 20
 
 
@@ -365,18 +365,17 @@ class Reads:
             ]
             flags = DIRECT if direct else 0
             staging = self._staging_of(p)
-            # Staged reads go in requests that fit the daemon's staging slice (it is reused only
-            # between requests); anything beyond would stream.
+            # Staged reads go in requests that fit what the daemon stages per request (its
+            # staging is reused only between requests); anything beyond would stream. They go
+            # pipelined, two in flight on one connection.
             parts = [(i, j)]
             if staging is not None:
                 flags |= STAGED
                 parts = _fit(places, i, j, self._slice_bytes.get(p.daemon.data_addr, _FIRST_SLICE_BYTES))
-            for a, b in parts:
-                try:
-                    ok = self._tcp.read(p.daemon.data_addr, items[a - i : b - i], dests[a:b], flags, staging)
-                except (Unavailable, InvalidArgument) as e:
-                    log.info("event=daemon_unreachable daemon=%s reason=%r", p.daemon.daemon_id, str(e))
-                    return a, []
+            done, err = self._tcp.read_parts(
+                p.daemon.data_addr, [(items[a - i : b - i], dests[a:b]) for a, b in parts], flags, staging
+            )
+            for (a, _b), ok in zip(parts, done):
                 for k, good in enumerate(ok):
                     if not good:
                         level = logging.DEBUG if direct else logging.WARNING
@@ -384,6 +383,9 @@ class Reads:
                             level, "event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, a + k
                         )
                         return a + k, [a + k]
+            if err is not None:
+                log.info("event=daemon_unreachable daemon=%s reason=%r", p.daemon.daemon_id, str(err))
+                return parts[len(done)][0], []
             i = j
         return hi, []
 

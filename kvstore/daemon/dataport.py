@@ -411,7 +411,8 @@ class DataPort:
         return h
 
     def _slots(self, entries: list[tuple], arenas: list, ssd_idx: list[int]) -> dict[int, np.ndarray]:
-        """Places in this connection's staging slice for the SSD entries that fit, in order."""
+        """Places in this connection's staging slice (the half whose turn it is) for the SSD
+        entries that fit, in order."""
         if self.staging is None or not ssd_idx:
             return {}
         index = getattr(self._local, "slice", None)
@@ -419,7 +420,12 @@ class DataPort:
             index = self._local.slice = self.staging.take()
             if index is None:
                 return {}
-        region = self.staging.view(index)
+            self._local.half = 0
+        # The connection's staged requests use the slice's two halves in turn: the client may
+        # already have sent this request while it copies the last one's blocks (Staging).
+        half = self._local.half
+        self._local.half = half ^ 1
+        region = self.staging.view(index, half)
         slots, pos = {}, 0
         for i in ssd_idx:
             _k, _s, _e, off, length, _c, _g, _t = entries[i]

@@ -9,10 +9,13 @@ the daemon's user only) and copies each block once; it does not checksum again, 
 bytes it copies were verified in place and nothing else writes there meanwhile.
 
 The region is split into equal slices, one per data-port connection that asks (taken at its first
-staged read, given back when it closes). A connection is one request at a time, and the client
-copies a response's blocks before it sends its next request, so a slice is reused only after its
-reader is done with it. Blocks that do not fit in the slice, or requests when every slice is
-taken, are streamed over the socket as before.
+staged read, given back when it closes), and each slice into two halves that the connection's
+staged requests use in turn. A client may keep two requests in flight on a connection (it sends
+the next before it reads this one's answer, so the daemon never waits for it between requests),
+and it sends a request only once it has copied every answer but the last one's. So a half is
+written again only after its reader is done with it. The head of a staged answer tells the
+client how many bytes one request may stage (a half); blocks that do not fit, or requests when
+every slice is taken, are streamed over the socket as before.
 """
 
 from __future__ import annotations
@@ -29,18 +32,22 @@ from kvstore.extent import SSD_ALIGN
 
 class Staging:
     def __init__(self, path: str | os.PathLike, slices: int, slice_bytes: int) -> None:
-        self.slice_bytes = slice_bytes - slice_bytes % SSD_ALIGN
-        if slices <= 0 or self.slice_bytes <= 0:
-            raise ValueError("a staging region needs at least one slice of at least 4 KiB")
+        # What one request may stage: half a slice, so that two requests in flight on a
+        # connection never share bytes.
+        self.request_bytes = slice_bytes // 2 - (slice_bytes // 2) % SSD_ALIGN
+        self.slice_bytes = 2 * self.request_bytes
+        if slices <= 0 or self.request_bytes <= 0:
+            raise ValueError(f"a staging region needs at least one slice of at least {2 * SSD_ALIGN // 1024} KiB")
         self.arena = ShmArena(path, slices * self.slice_bytes, create=True)
         self.path = str(path)
         self.size = self.arena.size
         self._free = list(range(slices - 1, -1, -1))
         self._lock = threading.Lock()
-        # The head of a READ response that staged blocks: where the client maps them.
+        # The head of a READ response that staged blocks: where the client maps them, and how
+        # many bytes one request may stage.
         # The inode tells a client that the region at this path was made anew (a restarted
         # daemon) and its mapping of the old one must go.
-        self.message = f"{self.path}\n{self.size}\n{self.slice_bytes}\n{self.arena.inode}".encode()
+        self.message = f"{self.path}\n{self.size}\n{self.request_bytes}\n{self.arena.inode}".encode()
 
     def take(self) -> int | None:
         """A free slice's index, or None when every slice is held by a connection."""
@@ -51,9 +58,10 @@ class Staging:
         with self._lock:
             self._free.append(index)
 
-    def view(self, index: int) -> np.ndarray:
-        base = index * self.slice_bytes
-        return self.arena.array[base : base + self.slice_bytes]
+    def view(self, index: int, half: int) -> np.ndarray:
+        """Half ``half`` (0 or 1) of slice ``index``: where one request stages its blocks."""
+        base = index * self.slice_bytes + (half & 1) * self.request_bytes
+        return self.arena.array[base : base + self.request_bytes]
 
     def offset_of(self, payload: np.ndarray) -> int:
         """Where ``payload`` (a view into the region) starts in it."""

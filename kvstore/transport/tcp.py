@@ -117,39 +117,36 @@ class TcpTransport:
         with self._lock:
             return sum(len(p) for p in self._idle.values())
 
-    def _request(self, addr: str, op: Op, entries: list[bytes], payloads: Sequence[np.ndarray] = (), flags: int = 0):
-        """Sends one frame; returns the socket and (WRITE) the per-entry statuses."""
-        s = self._connect(addr)
+    def _send(
+        self, s: socket.socket, op: Op, entries: list[bytes], payloads: Sequence[np.ndarray] = (), flags: int = 0
+    ) -> int:
+        """Sends one frame; returns its request id."""
         req_id = next(self._ids)
-        try:
-            head = REQ_HEAD.pack(MAGIC, VERSION, op, flags, req_id, len(entries))
-            s.sendall(head + b"".join(entries))
-            for p in payloads:
-                s.sendall(memoryview(p))
-            raw = recv_bytes(s, RESP_HEAD.size)
-            if raw is None:
-                raise Unavailable(f"data port {addr} closed the connection")
-            magic, status, _op, _f, rid, count, msg_len = RESP_HEAD.unpack(raw)
-            msg = recv_bytes(s, msg_len) if msg_len else b""
-            if magic != MAGIC or rid != req_id:
-                raise Unavailable(f"data port {addr} answered a malformed frame")
-            if status != FrameStatus.OK:
-                s.close()
-                raise InvalidArgument(f"data port {addr} refused the frame: {(msg or b'').decode(errors='replace')}")
-            if count != len(entries):
-                raise Unavailable(f"data port {addr} answered {count} statuses for {len(entries)} entries")
-            if op == Op.READ:
-                return s, msg
-            statuses = recv_bytes(s, count) if count else b""
-            if statuses is None:
-                raise Unavailable(f"data port {addr} closed the connection")
-            return s, statuses
-        except OSError as e:
-            s.close()
-            raise Unavailable(f"data port {addr}: {e}") from None
-        except Exception:
-            s.close()
-            raise
+        s.sendall(REQ_HEAD.pack(MAGIC, VERSION, op, flags, req_id, len(entries)) + b"".join(entries))
+        for p in payloads:
+            s.sendall(memoryview(p))
+        return req_id
+
+    def _answer(self, s: socket.socket, addr: str, op: Op, req_id: int, count: int) -> bytes:
+        """Reads the head of the answer to request ``req_id``: its message (READ) or its
+        per-entry statuses (WRITE)."""
+        raw = recv_bytes(s, RESP_HEAD.size)
+        if raw is None:
+            raise Unavailable(f"data port {addr} closed the connection")
+        magic, status, _op, _f, rid, n, msg_len = RESP_HEAD.unpack(raw)
+        msg = recv_bytes(s, msg_len) if msg_len else b""
+        if magic != MAGIC or rid != req_id:
+            raise Unavailable(f"data port {addr} answered a malformed frame")
+        if status != FrameStatus.OK:
+            raise InvalidArgument(f"data port {addr} refused the frame: {(msg or b'').decode(errors='replace')}")
+        if n != count:
+            raise Unavailable(f"data port {addr} answered {n} statuses for {count} entries")
+        if op == Op.READ:
+            return msg or b""
+        statuses = recv_bytes(s, count) if count else b""
+        if statuses is None:
+            raise Unavailable(f"data port {addr} closed the connection")
+        return statuses
 
     def read(
         self,
@@ -161,55 +158,114 @@ class TcpTransport:
     ) -> list[bool]:
         """Reads ``items`` (key, segment_id, offset, length, checksum, gen, ticket) into ``dests``
         (``flags``: the head's, e.g. ``frames.DIRECT``; with ``frames.STAGED``, ``staging(path,
-        size, slice_bytes, inode)`` maps the daemon's staging region, and blocks the daemon staged there are copied
-        from it: verified in place by the daemon, not checksummed again).
+        size, request_bytes, inode)`` maps the daemon's staging region, and blocks the daemon
+        staged there are copied from it: verified in place by the daemon, not checksummed again).
 
         Returns per item whether its bytes arrived and match the checksum. Raises Unavailable
         if the daemon cannot be reached (the caller turns that into misses).
         """
-        entries = [_entry(*it) for it in items]
-        s, msg = self._request(addr, Op.READ, entries, flags=flags)
+        done, err = self.read_parts(addr, [(items, dests)], flags, staging)
+        if err is not None:
+            raise err
+        return done[0]
+
+    def read_parts(
+        self,
+        addr: str,
+        parts: Sequence[tuple[Sequence[tuple], Sequence[np.ndarray]]],
+        flags: int = 0,
+        staging: Callable[[str, int, int, int], Any] | None = None,
+    ) -> tuple[list[list[bool]], Unavailable | InvalidArgument | None]:
+        """Reads several requests' worth, ``parts`` of (items, dests) as :meth:`read` takes
+        them, on one connection with two requests in flight: the next is sent before this one's
+        answer is read, so the daemon goes on to it without waiting for the client. (A staged
+        request is sent only once every answer but the last is copied: the daemon's staging
+        halves rely on it, kvstore.daemon.staging.)
+
+        Returns per part read its per-item results, stopping after the part (and the one in
+        flight behind it) where an item failed; and the error that stopped it early, if any
+        (Unavailable, or InvalidArgument for a frame the daemon refused).
+        """
+        done: list[list[bool]] = []
+        try:
+            s = self._connect(addr)
+        except Unavailable as e:
+            return done, e
+        entries = [[_entry(*it) for it in items] for items, _d in parts]
+        try:
+            ids = [self._send(s, Op.READ, entries[0], flags=flags)]
+            for k, (items, dests) in enumerate(parts):
+                if k + 1 < len(parts) and (not done or all(done[-1])):
+                    ids.append(self._send(s, Op.READ, entries[k + 1], flags=flags))
+                msg = self._answer(s, addr, Op.READ, ids[k], len(items))
+                done.append(self._recv_read(s, addr, items, dests, msg, staging))
+                if len(ids) == k + 1:  # nothing more in flight: an item failed
+                    break
+        except OSError as e:
+            s.close()
+            return done, Unavailable(f"data port {addr}: {e}")
+        except (Unavailable, InvalidArgument) as e:
+            s.close()
+            return done, e
+        except Exception:
+            s.close()
+            raise
+        self._give_back(addr, s)
+        return done, None
+
+    @staticmethod
+    def _recv_read(
+        s: socket.socket,
+        addr: str,
+        items: Sequence[tuple],
+        dests: Sequence[np.ndarray],
+        msg: bytes,
+        staging: Callable[[str, int, int, int], Any] | None,
+    ) -> list[bool]:
+        """The per-item part of a READ answer, into ``dests``."""
         region = None
         if msg and staging is not None:
-            path, size, slice_bytes, inode = (msg.decode(errors="replace").split("\n") + ["", "", "", ""])[:4]
+            path, size, request_bytes, inode = (msg.decode(errors="replace").split("\n") + ["", "", "", ""])[:4]
             try:
-                region = staging(path, int(size), int(slice_bytes), int(inode))
+                region = staging(path, int(size), int(request_bytes), int(inode))
             except (OSError, ValueError) as e:
-                s.close()
                 raise Unavailable(f"data port {addr}: cannot map its staging region {path}: {e}") from None
         ok: list[bool] = []
         status = bytearray(1)
         at = bytearray(STAGED_AT.size - 1)
-        try:
-            for (_k, _s, _o, n, c, _g, _t), dest in zip(items, dests):
-                if not recv_exact(s, memoryview(status)):
+        for (_k, _s, _o, n, c, _g, _t), dest in zip(items, dests):
+            if not recv_exact(s, memoryview(status)):
+                raise ConnectionError("data port closed mid-response")
+            if status[0] == EntryStatus.STAGED:
+                if not recv_exact(s, memoryview(at)):
                     raise ConnectionError("data port closed mid-response")
-                if status[0] == EntryStatus.STAGED:
-                    if not recv_exact(s, memoryview(at)):
-                        raise ConnectionError("data port closed mid-response")
-                    off = int.from_bytes(at, "little")
-                    if region is None or off + n > region.size:
-                        raise ConnectionError("data port staged a block outside its staging region")
-                    np.copyto(dest, region.array[off : off + n])
-                    ok.append(True)
-                    continue
-                if status[0] != EntryStatus.OK:
-                    ok.append(False)
-                    continue
-                if not recv_exact(s, memoryview(dest)):
-                    raise ConnectionError("data port closed mid-response")
-                ok.append(checksum(dest) == c)
-        except OSError as e:
-            s.close()
-            raise Unavailable(f"data port {addr}: {e}") from None
-        self._give_back(addr, s)
+                off = int.from_bytes(at, "little")
+                if region is None or off + n > region.size:
+                    raise ConnectionError("data port staged a block outside its staging region")
+                np.copyto(dest, region.array[off : off + n])
+                ok.append(True)
+                continue
+            if status[0] != EntryStatus.OK:
+                ok.append(False)
+                continue
+            if not recv_exact(s, memoryview(dest)):
+                raise ConnectionError("data port closed mid-response")
+            ok.append(checksum(dest) == c)
         return ok
 
     def write(self, addr: str, items: Sequence[tuple], srcs: Sequence[np.ndarray]) -> list[bool]:
         """Writes payloads to their extents (pending until the put is committed); per item
         whether the daemon received it whole."""
         entries = [_entry(*it) for it in items]
-        s, statuses = self._request(addr, Op.WRITE, entries, srcs)
+        s = self._connect(addr)
+        try:
+            statuses = self._answer(s, addr, Op.WRITE, self._send(s, Op.WRITE, entries, srcs), len(entries))
+        except OSError as e:
+            s.close()
+            raise Unavailable(f"data port {addr}: {e}") from None
+        except Exception:
+            s.close()
+            raise
         self._give_back(addr, s)
         return [st == EntryStatus.OK for st in statuses]
 

@@ -119,3 +119,89 @@ def test_a_client_maps_the_staging_region_anew_after_a_clean_daemon_restart(clus
         n = c.get_into(second, out)
         assert n == 12 and all(np.array_equal(o, content(k)) for o, k in zip(out, second))
         assert staged(d.info["metrics_port"]) >= 8  # through the new region
+
+
+class _Recording:
+    """A staging region whose reads are recorded: (start, stop) of every block copied from it."""
+
+    def __init__(self, region, spans: list) -> None:  # noqa: ANN001
+        self.size = region.size
+        self.array = self
+        self._a = region.array
+        self._spans = spans
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        self._spans.append((sl.start, sl.stop))
+        return self._a[sl]
+
+
+def test_two_staged_requests_in_flight_never_share_staging_bytes(cluster, monkeypatch):
+    """A client keeps two staged requests in flight on a connection: the daemon must stage the
+    second where the first's blocks are not, since the client is still copying them."""
+    from kvstore.transport.tcp import TcpTransport
+
+    cluster.start_meta()
+    d = cluster.start_daemon(
+        *DAEMON, "daemon.staging_bytes=1200KiB", "daemon.staging_slices=1", dram="1MiB", name="halves"
+    )
+    warm = KS.block_keys(np.arange(16 * 100, 16 * 104))
+    keys = KS.block_keys(np.arange(16 * 104, 16 * 128))
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.put(warm + keys, [content(k) for k in warm + keys]).stored == 28
+    answers: list[list] = []
+    orig = TcpTransport._recv_read
+
+    def recording(s, addr, items, dests, msg, staging):  # noqa: ANN001, ANN202
+        answers.append([])
+        spans = answers[-1]
+        wrapped = (lambda *a: _Recording(staging(*a), spans)) if staging is not None else None
+        return orig(s, addr, items, dests, msg, wrapped)
+
+    monkeypatch.setattr(TcpTransport, "_recv_read", staticmethod(recording))
+    with SyncKVStoreClient(cluster.meta_addr, ClientConfig(location_cache=0, io_threads=1)) as c:
+        out = [np.empty(SIZE, np.uint8) for _ in warm]
+        assert c.get_into(warm, out) == 4  # learns how much one request may stage (2 blocks here)
+        answers.clear()
+        out = [np.empty(SIZE, np.uint8) for _ in keys]
+        assert c.get_into(keys, out) == 24
+        assert all(np.array_equal(o, content(k)) for o, k in zip(out, keys)), "wrong bytes served"
+    staged_answers = [a for a in answers if a]
+    assert len(staged_answers) >= 8, answers  # 24 blocks, 2 staged per request, 1 MiB of DRAM aside
+    for first, second in zip(staged_answers, staged_answers[1:]):
+        for a0, a1 in first:
+            for b0, b1 in second:
+                assert a1 <= b0 or b1 <= a0, f"consecutive answers staged over each other: {first} {second}"
+    assert staged(d.info["metrics_port"]) >= 16
+
+
+def test_a_bad_block_in_a_pipelined_staged_read_ends_the_prefix_there(cluster):
+    """Several staged requests in flight; a flipped byte on SSD in one of the later ones: the
+    blocks before it are served right, it and the rest are misses, and it is reported."""
+    from test_faults import locations
+
+    from kvstore.extent import HEADER_SIZE
+
+    cluster.start_meta()
+    cluster.start_daemon(
+        *DAEMON, "daemon.staging_bytes=1200KiB", "daemon.staging_slices=1", dram="1MiB", name="flip"
+    )
+    warm = KS.block_keys(np.arange(16 * 200, 16 * 204))
+    keys = KS.block_keys(np.arange(16 * 204, 16 * 228))
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.put(warm + keys, [content(k) for k in warm + keys]).stored == 28
+    locs = locations(cluster.meta_addr, keys)
+    bad = next(i for i in range(13, 24) if locs[i].segment.tier == 2)
+    data = cluster.tmp / "daemon-flip" / "ssd" / f"ssd-{locs[bad].segment.segment_id}.data"
+    with open(data, "r+b") as f:
+        f.seek(locs[bad].offset + HEADER_SIZE + 999)
+        b = f.read(1)
+        f.seek(locs[bad].offset + HEADER_SIZE + 999)
+        f.write(bytes([b[0] ^ 0x01]))
+    with SyncKVStoreClient(cluster.meta_addr, ClientConfig(location_cache=0, io_threads=1)) as c:
+        out = [np.empty(SIZE, np.uint8) for _ in warm]
+        assert c.get_into(warm, out) == 4
+        out = [np.empty(SIZE, np.uint8) for _ in keys]
+        assert c.get_into(keys, out) == bad
+        assert all(np.array_equal(o, content(k)) for o, k in zip(out[:bad], keys[:bad]))
+        wait_until(lambda: c.stats().counters["corrupt_reported"] == 1)
+        assert c.lookup(keys) == bad
