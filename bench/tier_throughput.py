@@ -392,7 +392,8 @@ def render(r: dict) -> str:
         " filesystem and run: a sequential O_DIRECT write; O_DIRECT reads with "
         f"{t.get('raw_inflight', 1)} in flight (threads), as many as kvstore keeps (`READ_AHEAD` per data-port"
         " connection x the client's I/O threads), and the same reads one at a time. Every repetition reads the raw"
-        " file just before and just after kvstore's get and compares the get with their mean, since this device's"
+        " file just before and just after kvstore's get (each read, kvstore's too, is the first read of bytes just"
+        " written: a re-read comes faster on this virtual disk) and compares the get with their mean, since this device's"
         " speed drifts within seconds; ratios are medians of those per-repetition ratios, GB/s medians of"
         " repetitions.",
         "",
