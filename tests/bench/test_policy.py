@@ -17,7 +17,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import policy  # noqa: E402
-from bench.policy import Stream, kvstore_hits, lru_hits, make_index, next_uses, optimal_hits  # noqa: E402
+from bench.policy import (  # noqa: E402
+    Stream,
+    frequency_oracle_hits,
+    kvstore_hits,
+    lru_hits,
+    make_index,
+    next_uses,
+    optimal_hits,
+)
 from bench.workloads import KEYSPACE, WORKLOADS, Trace, find_trace, make  # noqa: E402
 from bench.workloads.trace import HASH_BLOCK_TOKENS, hash_block_tokens, load_trace  # noqa: E402
 
@@ -170,6 +178,25 @@ def test_optimal_on_hand_stream() -> None:
     out = optimal_hits(s.flat, s.offsets, 3)
     assert out["hits"] == 10 and out["inserted"] == 3
     assert best_prefix_hits(HAND, 3) == 10
+
+
+def test_frequency_oracle_on_hand_stream() -> None:
+    # Uses: 1 x4, 2 x3, 3 x2, 7 x2, 4 x1. Capacity 2 keeps {1, 2}: hits on their later uses
+    # where they lead the request: 1+2 (req 2), 1+2 (req 3), 1 (req 4) = 5.
+    reqs = [[1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 7], [7]]
+    s = stream_of(reqs)
+    out = frequency_oracle_hits(s.flat, s.offsets, 2)
+    assert out == {"hits": 5, "inserted": 2}
+    # A tie between a block and its successor (3 and 7 both x2): the one used first ranks first,
+    # so capacity 3 keeps 1, 2, 3 (prefix-closed) and adds the third block of request 2.
+    assert frequency_oracle_hits(s.flat, s.offsets, 3)["hits"] == 6
+    # Never above MIN, and more room never loses a hit.
+    for cap in range(1, 7):
+        assert frequency_oracle_hits(s.flat, s.offsets, cap)["hits"] <= optimal_hits(s.flat, s.offsets, cap)["hits"]
+        assert (
+            frequency_oracle_hits(s.flat, s.offsets, cap)["hits"]
+            <= frequency_oracle_hits(s.flat, s.offsets, cap + 1)["hits"]
+        )
 
 
 def test_kvstore_keeps_a_chains_head_where_lru_keeps_its_tail() -> None:
