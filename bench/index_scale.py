@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         "points": rows,
         "figures": figures(rows),
     }
+    # The figures are read from the top level of the file too, under their own names.
+    result.update(result["figures"])
     result["plot"] = plot(rows, PLOT)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -110,18 +110,14 @@ class RawFile:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
         os.posix_fallocate(self.fd, 0, self.size * len(blocks))
 
-    def write(self) -> float:
-        t = time.perf_counter()
+    def write(self) -> None:
         for i, b in enumerate(self.blocks):
             self.buf[:] = b  # the same staging copy the daemon makes
             os.pwrite(self.fd, self.buf, i * self.size)
-        return time.perf_counter() - t
 
-    def read_sequential(self) -> float:
-        t = time.perf_counter()
+    def read_sequential(self) -> None:
         for i in range(len(self.blocks)):
             os.preadv(self.fd, [self.buf], i * self.size)
-        return time.perf_counter() - t
 
     def read(self) -> None:
         n, k_in = len(self.blocks), self.inflight
@@ -173,7 +169,7 @@ def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bo
                 # written (a re-read of the same file comes faster on this virtual disk).
                 raw = RawFile(work / "raw.bin", blocks, INFLIGHT)
                 try:
-                    tw = raw.write()
+                    _, tw, _ = timed(raw.write)
                     _, tp0, busy_raw0 = timed(raw.read)
                 finally:
                     raw.close()
@@ -194,7 +190,7 @@ def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bo
                 raw = RawFile(work / "raw.bin", blocks, 1)
                 try:
                     raw.write()
-                    tr = raw.read_sequential()
+                    _, tr, _ = timed(raw.read_sequential)
                 finally:
                     raw.close()
                 c.remove(keys)

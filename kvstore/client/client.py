@@ -117,8 +117,8 @@ class KVStoreClient(Reads, Writes, EngineReports):
         if self.cfg.location_cache < 0:
             raise InvalidArgument(f"client.location_cache must not be negative, got {self.cfg.location_cache}")
         self._known = LocationCache(self.cfg.location_cache)
-        # Per data port: the size of its staging slices, as it last said (kvstore.daemon.staging).
-        self._slice_bytes: dict[str, int] = {}
+        # Per data port: how many bytes one request may stage, as it last said (kvstore.daemon.staging).
+        self._stage_bytes: dict[str, int] = {}
         # Chains read from known locations, for the next Touch (one in flight at a time).
         self._loop = asyncio.get_running_loop()
         self._touch_lock = threading.Lock()

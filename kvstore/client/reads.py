@@ -36,7 +36,7 @@ _TOUCH_DELAY_S = 0.05
 # Shared-memory reads of blocks below this mean size are not split over the I/O threads.
 SHM_SPLIT_BLOCK_BYTES = 256 << 10
 # A staged request's bytes before the daemon said how many one request may stage.
-_FIRST_SLICE_BYTES = 4 << 20
+_FIRST_REQUEST_BYTES = 4 << 20
 
 
 def _views(keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> tuple[list[bytes], list[np.ndarray]]:
@@ -186,10 +186,10 @@ class Reads:
         expected = dram.shm_path[: -len("-dram")] + "-staging"
         addr = p.daemon.data_addr
 
-        def region(path: str, size: int, slice_bytes: int, inode: int) -> Any:
+        def region(path: str, size: int, request_bytes: int, inode: int) -> Any:
             if path != expected:
                 raise ValueError(f"staging region {path!r} is not the daemon's ({expected!r})")
-            self._slice_bytes[addr] = slice_bytes
+            self._stage_bytes[addr] = request_bytes
             return self._shm.arena(path, size, inode)
 
         return region
@@ -371,7 +371,7 @@ class Reads:
             parts = [(i, j)]
             if staging is not None:
                 flags |= STAGED
-                parts = _fit(places, i, j, self._slice_bytes.get(p.daemon.data_addr, _FIRST_SLICE_BYTES))
+                parts = _fit(places, i, j, self._stage_bytes.get(p.daemon.data_addr, _FIRST_REQUEST_BYTES))
             done, err = self._tcp.read_parts(
                 p.daemon.data_addr, [(items[a - i : b - i], dests[a:b]) for a, b in parts], flags, staging
             )

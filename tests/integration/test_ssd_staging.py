@@ -182,9 +182,7 @@ def test_a_bad_block_in_a_pipelined_staged_read_ends_the_prefix_there(cluster):
     from kvstore.extent import HEADER_SIZE
 
     cluster.start_meta()
-    cluster.start_daemon(
-        *DAEMON, "daemon.staging_bytes=1200KiB", "daemon.staging_slices=1", dram="1MiB", name="flip"
-    )
+    cluster.start_daemon(*DAEMON, "daemon.staging_bytes=1200KiB", "daemon.staging_slices=1", dram="1MiB", name="flip")
     warm = KS.block_keys(np.arange(16 * 200, 16 * 204))
     keys = KS.block_keys(np.arange(16 * 204, 16 * 228))
     with SyncKVStoreClient(cluster.meta_addr) as c:
