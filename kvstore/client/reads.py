@@ -21,7 +21,7 @@ from kvstore.client.buffers import INLINE_COPY_BYTES, byte_views
 from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.extent import SSD_ALIGN, extent_size
 from kvstore.keys import KEY_BYTES, key_list
-from kvstore.transport.frames import DIRECT, STAGED
+from kvstore.transport.frames import DIRECT, STAGED, EntryStatus
 from kvstore.transport.shm import ShmTransport
 from kvstore.v1 import meta_pb2
 from kvstore.wire import U32, Placement, locations_from_pb, pack
@@ -84,6 +84,21 @@ class Reads:
         direct = await self._read_known_async(keys, dests)
         if direct == n:
             return n
+        loaded, moved = await self._get_leased(keys, dests, direct, False)
+        if moved:
+            # The block was not where the index said when the daemon came to it (a tier move or
+            # a restart raced this read): the index has its new place, if it still has one. Not
+            # there a second time, it is reported gone, so that the index forgets it.
+            log.info("event=block_moved_mid_read index=%d action=acquire_again", loaded)
+            loaded, _ = await self._get_leased(keys, dests, loaded, True)
+        return loaded
+
+    async def _get_leased(
+        self, keys: list[bytes], dests: list[np.ndarray], direct: int, report_gone: bool
+    ) -> tuple[int, bool]:
+        """Loads on from ``direct`` under a lease. Returns (leading blocks loaded in all, whether
+        the run ended at a block its daemon did not hold there: worth asking again). With
+        ``report_gone`` such a block is reported to the service like a corrupt one."""
         t0 = time.monotonic()
         rest = b"".join(keys[direct:])
         resp = await self._rpc(
@@ -92,7 +107,7 @@ class Reads:
         )
         hit = resp.hit_count
         if hit == 0:
-            return direct
+            return direct, False
         deadline = t0 + resp.ttl_ms / 1000.0
         places = locations_from_pb(resp.locations, hit)
         for i, p in enumerate(places, direct):
@@ -104,17 +119,17 @@ class Reads:
         total = sum(p.length for p in places)
         try:
             if total > INLINE_COPY_BYTES:
-                loaded, corrupt = await asyncio.get_running_loop().run_in_executor(
+                loaded, corrupt, moved = await asyncio.get_running_loop().run_in_executor(
                     self._pool, self._read_run, keys, places, dests, deadline
                 )
             else:
-                loaded, corrupt = self._read_run(keys, places, dests, deadline)
+                loaded, corrupt, moved = self._read_run(keys, places, dests, deadline)
         except BaseException:
             self._release(resp.lease_id, [])  # the lease goes now, not at its deadline
             raise
-        self._release(resp.lease_id, corrupt)
+        self._release(resp.lease_id, corrupt + moved if report_gone else corrupt)
         self._known.remember(keys[:loaded], places[:loaded], read=True)
-        return direct + loaded
+        return direct + loaded, loaded < hit and loaded in moved
 
     def get_known(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
         """Loads the leading run of ``keys`` whose locations this client knows, without the
@@ -157,7 +172,7 @@ class Reads:
         if not places:
             return 0
         keys = keys[: len(places)]
-        loaded, _ = self._read_run(keys, places, dests, float("inf"), True, segments)
+        loaded, _, _ = self._read_run(keys, places, dests, float("inf"), True, segments)
         # Failures here are not reported as corrupt: without a lease the extent may simply
         # have been reused, which the checks caught. The leased path reads the block again.
         self._known.hits += loaded
@@ -275,10 +290,11 @@ class Reads:
         deadline: float,
         direct: bool = False,
         segments: dict[int, Placement] | None = None,
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, list[int], list[int]]:
         """Copies the leased run, split over the I/O threads; the run ends at the first block
-        that failed. Returns (blocks loaded, run indexes to report as corrupt). ``segments``:
-        :func:`_segments` of ``places``, where the caller has it."""
+        that failed. Returns (blocks loaded, run indexes to report as corrupt, run indexes whose
+        daemon did not hold the block where the lease said). ``segments``: :func:`_segments` of
+        ``places``, where the caller has it."""
         if segments is None:
             segments = _segments(places)
         shm = self._shm_judge()
@@ -301,11 +317,13 @@ class Reads:
         results += [f.result() for f in futs]
         loaded = len(places)
         corrupt: list[int] = []
-        for (_lo, hi), (n, bad) in zip(ranges, results):
+        moved: list[int] = []
+        for (_lo, hi), (n, bad, gone) in zip(ranges, results):
             corrupt += bad
+            moved += gone
             if n < hi and loaded == len(places):
                 loaded = n
-        return loaded, corrupt
+        return loaded, corrupt, moved
 
     def _read_range(
         self,
@@ -317,16 +335,17 @@ class Reads:
         hi: int,
         direct: bool = False,
         single: bool = False,
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, list[int], list[int]]:
         """Copies blocks lo..hi in order and stops at the first that fails. Returns (index of the
-        first block not loaded, indexes to report as corrupt). ``single``: all the placements
+        first block not loaded, indexes to report as corrupt, indexes not where the lease said:
+        see :meth:`_read_run`). ``single``: all the placements
         share one segment message."""
         i = lo
         use_shm = self._shm_judge(raising=True)
         while i < hi:
             if time.monotonic() > deadline:
                 log.info("event=lease_expired_mid_read loaded=%d of=%d", i, hi)
-                return i, []
+                return i, [], []
             p = places[i]
             if use_shm(p):
                 # A run of consecutive blocks in one arena is copied in one loop (one call).
@@ -339,12 +358,12 @@ class Reads:
                 if n < j:
                     if time.monotonic() > deadline:
                         log.info("event=lease_expired_mid_read loaded=%d of=%d", n, hi)
-                        return n, []
+                        return n, [], []
                     if direct:
                         log.debug("event=stale_location transport=shm daemon=%s index=%d", p.daemon.daemon_id, n)
                     else:
                         log.warning("event=checksum_mismatch transport=shm daemon=%s index=%d", p.daemon.daemon_id, n)
-                    return n, [n]
+                    return n, [n], []
                 i = j
                 continue
             # A run of consecutive blocks on the same daemon goes in one TCP request.
@@ -375,19 +394,30 @@ class Reads:
             done, err = self._tcp.read_parts(
                 p.daemon.data_addr, [(items[a - i : b - i], dests[a:b]) for a, b in parts], flags, staging
             )
-            for (a, _b), ok in zip(parts, done):
-                for k, good in enumerate(ok):
-                    if not good:
-                        level = logging.DEBUG if direct else logging.WARNING
-                        log.log(
-                            level, "event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, a + k
+            for (a, _b), statuses in zip(parts, done):
+                for k, st in enumerate(statuses):
+                    if st == EntryStatus.OK:
+                        continue
+                    n = a + k
+                    if st != EntryStatus.CHECKSUM:
+                        # Not there (moved on, dropped; an I/O error is the daemon's to handle):
+                        # a miss here, nothing to report. Bytes that fail their checksum, as the
+                        # daemon read them or as they arrived, are reported: the replica goes.
+                        log.info(
+                            "event=block_not_there transport=tcp daemon=%s index=%d status=%d",
+                            p.daemon.daemon_id,
+                            n,
+                            st,
                         )
-                        return a + k, [a + k]
+                        return n, [], ([] if direct else [n])
+                    level = logging.DEBUG if direct else logging.WARNING
+                    log.log(level, "event=block_rejected transport=tcp daemon=%s index=%d", p.daemon.daemon_id, n)
+                    return n, [n], []
             if err is not None:
                 log.info("event=daemon_unreachable daemon=%s reason=%r", p.daemon.daemon_id, str(err))
-                return parts[len(done)][0], []
+                return parts[len(done)][0], [], []
             i = j
-        return hi, []
+        return hi, [], []
 
     def _release(self, lease_id: int, corrupt: list[int]) -> None:
         """Ends a lease without waiting for the answer (the lease would lapse anyway)."""

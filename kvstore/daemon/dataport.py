@@ -336,24 +336,33 @@ class DataPort:
         longest = max((entries[i][4] for i in ssd_idx if i not in slots), default=0)
         ring = self._ring(SsdSegment.staging_bytes(longest) if longest else 0, READ_AHEAD + 1)
         next_ssd = 0
+        # Answers go out gathered, up to _GATHER_BYTES per system call: one sendmsg carries many
+        # small blocks. Flushed before waiting on the disk, so the client is never kept waiting
+        # for bytes that are ready, and before a read reuses a ring buffer whose block is still
+        # among them (``unsent``: those ring buffers).
+        out: list = []
+        out_bytes = 0
+        unsent: set[int] = set()
+        in_ring: dict[int, int] = {}  # entry -> the ring buffer it is read into
 
         def submit_upto(limit: int) -> None:
-            nonlocal next_ssd
+            nonlocal next_ssd, out, out_bytes
             while next_ssd < len(ssd_idx) and next_ssd < limit:
                 i = ssd_idx[next_ssd]
                 key, _s, _e, off, length, _c, gen, _t = entries[i]
                 staging = slots.get(i)
                 if staging is None:
-                    staging = ring[next_ssd % len(ring)]
+                    slot = next_ssd % len(ring)
+                    if slot in unsent:
+                        send_vec(conn, out)
+                        out, out_bytes = [], 0
+                        unsent.clear()
+                    staging = ring[slot]
+                    in_ring[i] = slot
                 ahead[i] = self._io.submit(arenas[i].read, off, key, length, None, staging, gen)
                 next_ssd += 1
 
         done_ssd = 0
-        # Answers go out gathered, up to _GATHER_BYTES per system call: one sendmsg carries many
-        # small blocks. Flushed before waiting on the disk, so the client is never kept waiting
-        # for bytes that are ready.
-        out: list = []
-        out_bytes = 0
         try:
             for i, ((key, _s, _e, off, length, _c, gen, _t), seg) in enumerate(zip(entries, arenas)):
                 if isinstance(seg, SsdSegment) and i not in ssd_set:
@@ -364,6 +373,7 @@ class DataPort:
                     if out and not fut.done():
                         send_vec(conn, out)
                         out, out_bytes = [], 0
+                        unsent.clear()
                     st, payload = fut.result()
                     done_ssd += 1
                     status = EntryStatus.OK if st.ok else _READ_STATUS.get(st.reason, EntryStatus.MISMATCH)
@@ -380,11 +390,14 @@ class DataPort:
                     out += (_STATUS[status], payload)
                     out_bytes += length
                     sent += length
+                    if i in in_ring:
+                        unsent.add(in_ring[i])
                 else:
                     out.append(_STATUS[status])
                 if out_bytes >= _GATHER_BYTES or len(out) >= MAX_IOV:
                     send_vec(conn, out)
                     out, out_bytes = [], 0
+                    unsent.clear()
             if out:
                 send_vec(conn, out)
         finally:

@@ -147,7 +147,8 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         """Removes a replica from the index. Its extent is freed now, or when its last lease
         ends; ``free=False`` (daemon lost) forgets the space along with the daemon. An entry
         left with no ready replica leaves the index. A freed replica that the daemon may hold
-        committed leaves a tombstone for it."""
+        committed leaves a tombstone for it, when it is freed: a reader holding a lease on it
+        still finds it at the daemon."""
         if not rep.live:
             return
         e = rep.entry
@@ -163,10 +164,12 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         if rep in e.replicas:
             e.replicas.remove(rep)
         if free:
-            if committed:
-                self._tombstone(rep)
             if rep.leases == 0:
+                if committed:
+                    self._tombstone(rep)
                 seg.alloc.release(rep.offset, rep.size)
+            else:
+                rep.tomb_due = committed  # at its last lease's end (_unlease)
         if e.complete and not any(r.ready for r in e.replicas):
             for r in list(e.replicas):  # a pending move target of a vanished block
                 self._drop_replica(r, free)
@@ -273,6 +276,8 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
             return
         rep.segment.leased -= 1
         if not rep.live:
+            if rep.tomb_due and self.daemons.get(rep.segment.daemon.spec.daemon_id) is rep.segment.daemon:
+                self._tombstone(rep)
             rep.segment.alloc.release(rep.offset, rep.size)
             return
         if rep.evictable():

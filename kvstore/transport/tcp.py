@@ -46,6 +46,10 @@ def _entry(key: bytes, segment_id: int, offset: int, length: int, csum: int, gen
     return ENTRY.pack(key, segment_id, expiry, offset, length, csum, gen, tag)
 
 
+# Per-entry failures a daemon may answer (anything else it sends counts as a MISMATCH).
+_FAILED = frozenset((EntryStatus.MISMATCH, EntryStatus.CHECKSUM, EntryStatus.IO_ERROR))
+
+
 class TcpTransport:
     def __init__(
         self,
@@ -167,7 +171,7 @@ class TcpTransport:
         done, err = self.read_parts(addr, [(items, dests)], flags, staging)
         if err is not None:
             raise err
-        return done[0]
+        return [st == EntryStatus.OK for st in done[0]]
 
     def read_parts(
         self,
@@ -175,18 +179,20 @@ class TcpTransport:
         parts: Sequence[tuple[Sequence[tuple], Sequence[np.ndarray]]],
         flags: int = 0,
         staging: Callable[[str, int, int, int], Any] | None = None,
-    ) -> tuple[list[list[bool]], Unavailable | InvalidArgument | None]:
+    ) -> tuple[list[list[int]], Unavailable | InvalidArgument | None]:
         """Reads several requests' worth, ``parts`` of (items, dests) as :meth:`read` takes
         them, on one connection with two requests in flight: the next is sent before this one's
         answer is read, so the daemon goes on to it without waiting for the client. (A staged
         request is sent only once every answer but the last is copied: the daemon's staging
         halves rely on it, kvstore.daemon.staging.)
 
-        Returns per part read its per-item results, stopping after the part (and the one in
+        Returns per part read its per-item statuses (``EntryStatus``: OK, STAGED counting as OK;
+        MISMATCH: the extent no longer holds that block; CHECKSUM: its bytes are bad, as the
+        daemon read them or as they arrived; IO_ERROR), stopping after the part (and the one in
         flight behind it) where an item failed; and the error that stopped it early, if any
         (Unavailable, or InvalidArgument for a frame the daemon refused).
         """
-        done: list[list[bool]] = []
+        done: list[list[int]] = []
         try:
             s = self._connect(addr)
         except Unavailable as e:
@@ -195,7 +201,7 @@ class TcpTransport:
         try:
             ids = [self._send(s, Op.READ, entries[0], flags=flags)]
             for k, (items, dests) in enumerate(parts):
-                if k + 1 < len(parts) and (not done or all(done[-1])):
+                if k + 1 < len(parts) and (not done or all(st == EntryStatus.OK for st in done[-1])):
                     ids.append(self._send(s, Op.READ, entries[k + 1], flags=flags))
                 msg = self._answer(s, addr, Op.READ, ids[k], len(items))
                 done.append(self._recv_read(s, addr, items, dests, msg, staging))
@@ -221,8 +227,9 @@ class TcpTransport:
         dests: Sequence[np.ndarray],
         msg: bytes,
         staging: Callable[[str, int, int, int], Any] | None,
-    ) -> list[bool]:
-        """The per-item part of a READ answer, into ``dests``."""
+    ) -> list[int]:
+        """The per-item part of a READ answer, into ``dests``: per item its EntryStatus (OK for
+        a staged block copied; CHECKSUM for streamed bytes that do not match)."""
         region = None
         if msg and staging is not None:
             path, size, request_bytes, inode = (msg.decode(errors="replace").split("\n") + ["", "", "", ""])[:4]
@@ -230,7 +237,7 @@ class TcpTransport:
                 region = staging(path, int(size), int(request_bytes), int(inode))
             except (OSError, ValueError) as e:
                 raise Unavailable(f"data port {addr}: cannot map its staging region {path}: {e}") from None
-        ok: list[bool] = []
+        ok: list[int] = []
         status = bytearray(1)
         at = bytearray(STAGED_AT.size - 1)
         for (_k, _s, _o, n, c, _g, _t), dest in zip(items, dests):
@@ -243,14 +250,14 @@ class TcpTransport:
                 if region is None or off + n > region.size:
                     raise ConnectionError("data port staged a block outside its staging region")
                 np.copyto(dest, region.array[off : off + n])
-                ok.append(True)
+                ok.append(EntryStatus.OK)
                 continue
             if status[0] != EntryStatus.OK:
-                ok.append(False)
+                ok.append(status[0] if status[0] in _FAILED else EntryStatus.MISMATCH)
                 continue
             if not recv_exact(s, memoryview(dest)):
                 raise ConnectionError("data port closed mid-response")
-            ok.append(checksum(dest) == c)
+            ok.append(EntryStatus.OK if checksum(dest) == c else EntryStatus.CHECKSUM)
         return ok
 
     def write(self, addr: str, items: Sequence[tuple], srcs: Sequence[np.ndarray]) -> list[bool]:

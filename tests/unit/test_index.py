@@ -1132,6 +1132,26 @@ def test_demotion_frees_the_dram_source_with_a_tombstone():
     idx.check_integrity()
 
 
+def test_a_demoted_source_a_reader_holds_is_forgotten_by_its_daemon_only_after_the_lease():
+    # A reader leased the DRAM copy while it was being demoted: the daemon keeps it (and its
+    # header) until the lease ends, so that a TCP read under that lease still finds it.
+    idx = Index(IndexLimits(), FakeClock())
+    idx.register_daemon(dspec(slots=4, extra=(SegmentSpec(SEG + 1, Tier.SSD, 8 * SSD_ALIGN),)), {})
+    put(idx, 0, 1, 2, 3)
+    (mv,) = idx.plan_moves()["d1"]
+    src = mv.src
+    a = idx.acquire(pk(0, 1, 2, 3))
+    assert a.locations[3] is src
+    idx.finish_move(mv.move_id, True)
+    assert L(idx.entries[k(3)].replica).tier == Tier.SSD
+    assert idx.take_tombstones() == {}, "told to forget a block a reader holds a lease on"
+    used = seg(idx).alloc.used
+    idx.release(a.lease_id)
+    assert idx.take_tombstones() == {"d1": [Tombstone(SEG, k(3), src.offset, src.gen)]}
+    assert seg(idx).alloc.used == used - src.size
+    idx.check_integrity()
+
+
 def test_removing_the_source_of_a_move_in_flight_keeps_its_extent_until_the_move_ends():
     idx = Index(IndexLimits(), FakeClock())
     idx.register_daemon(dspec(slots=4, extra=(SegmentSpec(SEG + 1, Tier.SSD, 8 * SSD_ALIGN),)), {})
