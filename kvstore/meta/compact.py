@@ -54,7 +54,7 @@ from kvstore.meta.records import (
     Tombstone,
     expired,
 )
-from kvstore.meta.table import LIVE, PINNED, READY, TOMB_DUE, WRITTEN, BlockTable, words
+from kvstore.meta.table import LIVE, PINNED, READY, WRITTEN, BlockTable, words
 
 _ROWS = np.dtype([("ref", "<u4"), ("res", "<u4"), ("off", "<u8"), ("len", "<u8"), ("csum", "<u8"), ("gen", "<u8")])
 _NONE = np.empty(0, dtype=np.int64)
@@ -162,20 +162,14 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         seg.blocks -= 1
         if f & PINNED:
             seg.pinned -= 1
+        if free and f & (READY | WRITTEN):
+            self._tombstone_item(
+                seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, t.key(row), int(t.off[row]), int(t.gen[row]))
+            )
         if t.leases[row] == 0:
             if free:
-                if f & (READY | WRITTEN):
-                    self._tombstone_row(seg, row)
                 seg.alloc.release(int(t.off[row]), int(t.size[row]))
             t.free(row)
-        elif free and f & (READY | WRITTEN):
-            t.flags[row] |= TOMB_DUE  # told when its last lease ends: a reader still finds it
-
-    def _tombstone_row(self, seg, row: int) -> None:  # noqa: ANN001
-        t = self.table
-        self._tombstone_item(
-            seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, t.key(row), int(t.off[row]), int(t.gen[row]))
-        )
 
     # ---- reads ------------------------------------------------------------------------------
 
@@ -227,8 +221,6 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         seg = self.segments[int(t.seg[row])]
         seg.leased -= 1
         if not t.flags[row] & LIVE:
-            if t.flags[row] & TOMB_DUE and self.daemons.get(seg.daemon.spec.daemon_id) is seg.daemon:
-                self._tombstone_row(seg, row)
             seg.alloc.release(int(t.off[row]), int(t.size[row]))
             t.free(row)
             if not seg.leased and self.daemons.get(seg.daemon.spec.daemon_id) is not seg.daemon:

@@ -143,12 +143,12 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         if rep.evictable():
             rep.segment.lru[rep.entry.key] = rep
 
-    def _drop_replica(self, rep: Replica, free: bool = True) -> None:
+    def _drop_replica(self, rep: Replica, free: bool = True, defer: bool = False) -> None:
         """Removes a replica from the index. Its extent is freed now, or when its last lease
         ends; ``free=False`` (daemon lost) forgets the space along with the daemon. An entry
         left with no ready replica leaves the index. A freed replica that the daemon may hold
-        committed leaves a tombstone for it, when it is freed: a reader holding a lease on it
-        still finds it at the daemon."""
+        committed leaves a tombstone for it; with ``defer`` (a copy that moved elsewhere), only
+        when its last lease ends, so that a reader holding one still finds it at the daemon."""
         if not rep.live:
             return
         e = rep.entry
@@ -164,12 +164,12 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         if rep in e.replicas:
             e.replicas.remove(rep)
         if free:
-            if rep.leases == 0:
-                if committed:
-                    self._tombstone(rep)
-                seg.alloc.release(rep.offset, rep.size)
+            if committed and not (defer and rep.leases):
+                self._tombstone(rep)
             else:
                 rep.tomb_due = committed  # at its last lease's end (_unlease)
+            if rep.leases == 0:
+                seg.alloc.release(rep.offset, rep.size)
         if e.complete and not any(r.ready for r in e.replicas):
             for r in list(e.replicas):  # a pending move target of a vanished block
                 self._drop_replica(r, free)

@@ -36,7 +36,6 @@ LIVE = 1  # in the hash table (a stored or pending block)
 READY = 2  # committed: readable
 PINNED = 4
 WRITTEN = 8  # its daemon may hold it committed: dropping it needs a tombstone
-TOMB_DUE = 16  # dropped while leased: its tombstone goes out when the last lease ends
 HELD = 16  # kept out of eviction for the duration of one call
 
 _COLUMNS = (
