@@ -1,0 +1,131 @@
+"""The per-entry part of a READ answer is received the same with the native loop
+(kvstore/transport/copy.c recv_blocks) as with the Python one: statuses, payloads, checksums,
+staged offsets, and the errors of a peer that closes or goes quiet mid-answer. Real sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvstore.extent import checksum
+from kvstore.transport import native
+from kvstore.transport.frames import STAGED_AT, EntryStatus, kernel_timeouts
+from kvstore.transport.tcp import TcpTransport
+
+needs_native = pytest.mark.skipif(native.impl is None, reason="the native copy is not built here")
+REGION = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
+
+
+def answer(seed: int, n: int) -> tuple[list[tuple], list[int], bytes, list[bytes], list[int]]:
+    """A random answer of ``n`` entries: (items, lengths, wire bytes, expected payloads,
+    expected statuses)."""
+    rng = np.random.default_rng(seed)
+    items, lengths, wire, want, statuses = [], [], bytearray(), [], []
+    for i in range(n):
+        length = int(rng.choice([1, 17, 4096, 65536, 300_000]))
+        data = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+        kind = int(rng.integers(0, 7))
+        csum = checksum(data)
+        if kind == 0:  # bytes that do not match their checksum
+            csum ^= 1
+            wire += bytes([EntryStatus.OK]) + data
+            statuses.append(EntryStatus.CHECKSUM)
+        elif kind in (1, 2, 3):  # failures the daemon reports
+            wire.append(kind)
+            statuses.append(kind)
+            data = None
+        elif kind == 4:  # a status no daemon sends: not there
+            wire.append(9)
+            statuses.append(EntryStatus.MISMATCH)
+            data = None
+        elif kind == 5:  # staged: read from the region
+            off = int(rng.integers(0, REGION.size - length))
+            wire += STAGED_AT.pack(EntryStatus.STAGED, off)
+            data = REGION[off : off + length].tobytes()
+            csum = checksum(data)
+            statuses.append(EntryStatus.OK)
+        else:
+            wire += bytes([EntryStatus.OK]) + data
+            statuses.append(EntryStatus.OK)
+        items.append((bytes(16), 1, 0, length, csum, i + 1, b""))
+        lengths.append(length)
+        want.append(data)
+    return items, lengths, bytes(wire), want, statuses
+
+
+def receive(wire: bytes, items: list[tuple], lengths: list[int], close_after: bool = False) -> tuple[list, list]:
+    a, b = socket.socketpair()
+    kernel_timeouts(b, 2.0)
+    region = SimpleNamespace(array=REGION, size=REGION.size)
+
+    def send() -> None:
+        try:
+            a.sendall(wire)
+        except OSError:
+            pass  # the receiver gave up
+        if close_after:
+            a.close()
+
+    t = threading.Thread(target=send)
+    t.start()
+    dests = [np.zeros(n, np.uint8) for n in lengths]
+    try:
+        got = TcpTransport._recv_read(b, "peer", items, dests, b"region\n1048576\n65536\n1", lambda *_: region)
+    finally:
+        b.close()
+        t.join()
+        a.close()
+    return got, dests
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(6))
+def test_native_and_python_receive_the_same(seed: int, monkeypatch):
+    items, lengths, wire, want, statuses = answer(seed, 40)
+    got_native, dests_native = receive(wire, items, lengths)
+    with monkeypatch.context() as m:
+        m.setattr(native, "impl", None)
+        got_py, dests_py = receive(wire, items, lengths)
+    assert list(got_native) == list(got_py) == statuses
+    for st, w, dn, dp in zip(statuses, want, dests_native, dests_py):
+        if st == EntryStatus.OK:
+            assert dn.tobytes() == dp.tobytes() == w
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_a_peer_that_closes_or_goes_quiet_mid_answer_is_an_error(use_native: bool, monkeypatch):
+    if use_native and native.impl is None:
+        pytest.skip("the native copy is not built here")
+    if not use_native:
+        monkeypatch.setattr(native, "impl", None)
+    items, lengths, wire, _want, _st = answer(11, 8)
+    with pytest.raises(ConnectionError):
+        receive(wire[: len(wire) // 2], items, lengths, close_after=True)
+    # Quiet: the socket's kernel timeout ends the wait (as an OSError, which the transport
+    # turns into Unavailable).
+    a, b = socket.socketpair()
+    kernel_timeouts(b, 0.3)
+    a.sendall(wire[: len(wire) // 2])
+    with pytest.raises(OSError):
+        TcpTransport._recv_read(b, "peer", items, [np.zeros(n, np.uint8) for n in lengths], b"", None)
+    a.close()
+    b.close()
+
+
+@needs_native
+def test_recv_blocks_refuses_bad_arguments():
+    a, b = socket.socketpair()
+    try:
+        with pytest.raises(ValueError):
+            native.impl.recv_blocks(b.fileno(), [np.zeros(4, np.uint8)], [])
+        with pytest.raises((BufferError, TypeError)):
+            native.impl.recv_blocks(b.fileno(), [b"read-only"], [0])
+        with pytest.raises((ValueError, TypeError, OverflowError)):
+            native.impl.recv_blocks(b.fileno(), [np.zeros(4, np.uint8)], [-1])
+    finally:
+        a.close()
+        b.close()
