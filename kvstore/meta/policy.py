@@ -125,6 +125,9 @@ class _ShadowLfu:
         self.counts: dict[bytes, int] = {}
         self.history: OrderedDict[bytes, int] = OrderedDict()
         self.n = 0
+        # The victim while neither the order nor a count changed: a run of declined blocks
+        # (a cold scan) costs one sample, not one per block.
+        self._vic: bytes | None = None
 
     def access(self, keys: Sequence[bytes]) -> int:
         d, counts = self.d, self.counts
@@ -133,6 +136,7 @@ class _ShadowLfu:
             if k in d:
                 counts[k] = min(MAX_COUNT, counts[k] + 1)
                 d.move_to_end(k)
+                self._vic = None
                 continue
             c = self.history.pop(k, 0) + 1
             while len(d) > self.capacity - 1:
@@ -140,23 +144,28 @@ class _ShadowLfu:
                 if c <= counts[victim] and len(d) == self.capacity:
                     break
                 del d[victim]
+                self._vic = None
                 self._remember(victim, counts.pop(victim))
             if len(d) >= self.capacity:
                 self._remember(k, c)  # not admitted
                 continue
             d[k] = None
             counts[k] = c
+            self._vic = None
         self.n += len(keys)
         if self.n >= AGE_FACTOR * self.capacity:
             self.n = 0
             for k in counts:
                 counts[k] >>= 1
+            self._vic = None
             self.history = OrderedDict((k, c >> 1) for k, c in self.history.items() if c > 1)
         return hits
 
     def _victim(self) -> bytes:
         """The first of the least counted among the SAMPLE least recent."""
-        return min((v for _, v in zip(range(SAMPLE), self.d)), key=self.counts.__getitem__)
+        if self._vic is None:
+            self._vic = min((v for _, v in zip(range(SAMPLE), self.d)), key=self.counts.__getitem__)
+        return self._vic
 
     def _remember(self, key: bytes, c: int) -> None:
         self.history[key] = c
