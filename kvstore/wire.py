@@ -111,16 +111,20 @@ def locations_from_pb(msg: pb.Locations, count: int) -> list[Placement]:
     """Decodes ``count`` location rows; raises InvalidArgument if the message does not hold them."""
     if count == 0:
         return []
-    if len(msg.rows) != count * ROW_DTYPE.itemsize:
-        raise InvalidArgument(f"locations: {len(msg.rows)} bytes of rows for {count} keys")
-    if msg.keys and len(msg.keys) != count * 16:
-        raise InvalidArgument(f"locations: {len(msg.keys)} bytes of keys for {count} keys")
-    stored = [msg.keys[i * 16 : (i + 1) * 16] for i in range(count)] if msg.keys else [b""] * count
-    if msg.tickets and len(msg.tickets) != count * tickets.TICKET.size:
-        raise InvalidArgument(f"locations: {len(msg.tickets)} bytes of tickets for {count} keys")
+    # Each read of a bytes field copies it out of the message: read once, sliced after.
+    rows_raw, keys_raw, tickets_raw = msg.rows, msg.keys, msg.tickets
+    if len(rows_raw) != count * ROW_DTYPE.itemsize:
+        raise InvalidArgument(f"locations: {len(rows_raw)} bytes of rows for {count} keys")
+    if keys_raw and len(keys_raw) != count * 16:
+        raise InvalidArgument(f"locations: {len(keys_raw)} bytes of keys for {count} keys")
+    stored = [keys_raw[i : i + 16] for i in range(0, 16 * count, 16)] if keys_raw else [b""] * count
     size = tickets.TICKET.size
+    if tickets_raw and len(tickets_raw) != count * size:
+        raise InvalidArgument(f"locations: {len(tickets_raw)} bytes of tickets for {count} keys")
     signed = (
-        [msg.tickets[i * size : (i + 1) * size] for i in range(count)] if msg.tickets else [tickets.NO_TICKET] * count
+        [tickets_raw[i : i + size] for i in range(0, size * count, size)]
+        if tickets_raw
+        else [tickets.NO_TICKET] * count
     )
     table = {}
     for ref in msg.segments:
@@ -129,7 +133,7 @@ def locations_from_pb(msg: pb.Locations, count: int) -> list[Placement]:
             seg = pb.Segment(segment_id=ref.segment_id, tier=ref.tier)
         table[ref.ref] = (ref.daemon, seg)
     out = []
-    rows = np.frombuffer(msg.rows, dtype=ROW_DTYPE).tolist()
+    rows = np.frombuffer(rows_raw, dtype=ROW_DTYPE).tolist()
     for (ref, _r, off, length, csum, gen), ticket, key in zip(rows, signed, stored):
         if ref not in table:
             raise InvalidArgument(f"locations: row names segment ref {ref}, which the message does not describe")
