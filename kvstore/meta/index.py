@@ -176,11 +176,11 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
             e.complete = False
             e.pinned = False
             if self.entries.get(e.key) is e:
+                self.policy.removed(e)  # before the entries change (kvstore.meta.policy: defer)
                 del self.entries[e.key]
-                self.policy.removed(e)
         elif not e.complete and not e.replicas and self.entries.get(e.key) is e:
-            del self.entries[e.key]
             self.policy.removed(e)
+            del self.entries[e.key]
 
     # ---- reads ------------------------------------------------------------------------------
 

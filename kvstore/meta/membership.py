@@ -144,8 +144,8 @@ class Membership(Tombstones):
                     continue
                 if e is None:
                     e = Entry(it.key, 0)
+                    self.policy.created(e)  # before the entries change (policy: defer)
                     self.entries[it.key] = e
-                    self.policy.created(e)
                 rep = self._add_replica(e, seg, it.offset, size, it.length, it.gen)
                 e.complete = True
                 self._make_ready(rep, it.checksum)

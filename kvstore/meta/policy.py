@@ -66,6 +66,7 @@ MIN_SHADOW = 64
 MARGIN = 0.05
 SIGNIFICANCE = 2.0  # standard deviations (the two-sided 95 % level)
 MAX_COUNT = 255
+PENDING_MAX = 1 << 16  # queued accesses (keys) that force a drain
 _EPOCH_SHIFT = 8
 
 
@@ -180,6 +181,7 @@ class LruPolicy:
 
     def __init__(self, entries: dict[bytes, Entry]) -> None:
         self.entries = entries
+        self.defer = False  # nothing to defer here (AdaptivePolicy)
 
     @property
     def frequency_mode(self) -> bool:
@@ -187,6 +189,9 @@ class LruPolicy:
 
     def access(self, keys: Sequence[bytes]) -> None:
         """A read of ``keys`` (a request's chain, hits and misses)."""
+
+    def drain(self) -> None:
+        """Accounts accesses queued by ``defer`` (none here)."""
 
     def created(self, e: Entry) -> None:
         """``e`` entered the index."""
@@ -234,6 +239,14 @@ class AdaptivePolicy(LruPolicy):
         self._reset_shadows(1)
         self.mode_switches = 0
         self._mode = False
+        # With ``defer`` (the service sets it), accesses are queued and accounted at the next
+        # drain(): the service drains right after answering, so a read's accounting is off its
+        # critical path. Every other method drains first, and the index tells the policy of a
+        # block's arrival or departure before its entries change, so the order of events the
+        # policy sees, and so every decision, is the same as without.
+        self.defer = False
+        self._pending: list[Sequence[bytes]] = []
+        self._pending_keys = 0
 
     def _reset_shadows(self, s: int) -> None:
         # Keys are sampled 1 in s (s = blocks indexed / SHADOW_BLOCKS, changed when that
@@ -246,6 +259,7 @@ class AdaptivePolicy(LruPolicy):
 
     @property
     def frequency_mode(self) -> bool:
+        self.drain()
         return self._mode
 
     def _population(self) -> int:
@@ -255,6 +269,22 @@ class AdaptivePolicy(LruPolicy):
         return min(HISTORY_MAX, HISTORY_FACTOR * self._population())
 
     def access(self, keys: Sequence[bytes]) -> None:
+        if not self.defer:
+            self._access(keys)
+            return
+        self._pending.append(keys)
+        self._pending_keys += len(keys)
+        if self._pending_keys >= PENDING_MAX:
+            self.drain()
+
+    def drain(self) -> None:
+        """Accounts the queued accesses, in order."""
+        if self._pending:
+            pending, self._pending, self._pending_keys = self._pending, [], 0
+            for keys in pending:
+                self._access(keys)
+
+    def _access(self, keys: Sequence[bytes]) -> None:
         get = self.entries.get
         epoch = self.epoch
         stamp = epoch << _EPOCH_SHIFT
@@ -308,11 +338,13 @@ class AdaptivePolicy(LruPolicy):
             self.mode_switches += 1
 
     def created(self, e: Entry) -> None:
+        self.drain()
         old = self.history.pop(e.key, None)
         if old is not None:
             e.freq = (self.epoch << _EPOCH_SHIFT) | _count(old, self.epoch)
 
     def removed(self, e: Entry) -> None:
+        self.drain()
         c = _count(e.freq, self.epoch)
         if c:
             self.history[e.key] = (self.epoch << _EPOCH_SHIFT) | c
@@ -320,6 +352,7 @@ class AdaptivePolicy(LruPolicy):
                 self.history.popitem(last=False)
 
     def count(self, key: bytes) -> int:
+        self.drain()
         e = self.entries.get(key)
         if e is not None:
             return _count(e.freq, self.epoch)
@@ -327,6 +360,7 @@ class AdaptivePolicy(LruPolicy):
         return _count(old, self.epoch) if old is not None else 0
 
     def pick(self, candidates: Iterator[Replica]) -> Replica | None:
+        self.drain()
         if not self._mode:
             return next(candidates, None)
         best = None
@@ -339,11 +373,13 @@ class AdaptivePolicy(LruPolicy):
         return best
 
     def admits(self, key: bytes, victim: Replica) -> bool:
+        self.drain()
         if not self._mode:
             return True
         return self.count(key) > _stored(victim.entry, self.epoch)
 
     def demotion_order(self, candidates: Iterable[Replica], want: int) -> list[Replica]:
+        self.drain()
         if not self._mode:
             return super().demotion_order(candidates, want)
         # Least counted first among the least recent (at least SAMPLE of them), ties oldest first.
@@ -359,6 +395,7 @@ class AdaptivePolicy(LruPolicy):
         return super().demotion_order(pool, want)
 
     def stats(self) -> dict[str, int]:
+        self.drain()
         return {
             "policy_frequency_mode": int(self._mode),
             "policy_mode_switches": self.mode_switches,

@@ -93,6 +93,24 @@ class MetaServicer:
         # Who started each put and took each lease (with tenants): only they may end it.
         self._put_owner: dict[int, str] = {}
         self._lease_owner: dict[int, str] = {}
+        # A read's cache-policy accounting runs after its answer is on its way (policy: defer).
+        self.index.policy.defer = True
+        self._drain_due = False
+
+    def _drain_soon(self) -> None:
+        if self._drain_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the service's loop: account now
+            self.index.policy.drain()
+            return
+        self._drain_due = True
+        loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_due = False
+        self.index.policy.drain()
 
     # ---- identity ---------------------------------------------------------------------------
 
@@ -307,6 +325,7 @@ class MetaServicer:
             self.quotas.leases.add(res.lease_id, ident.name, nbytes)
         if res.lease_id and self.authority is not None:
             self._lease_owner[res.lease_id] = ident.name
+        self._drain_soon()
         return meta_pb2.AcquireResponse(
             hit_count=res.hit_count,
             lease_id=res.lease_id,
@@ -332,6 +351,7 @@ class MetaServicer:
                 f"chains: {len(request.chains)} chains is over the limit of {self.index.limits.max_batch_keys}"
             )
         stored = self.index.touch([self._keys(c, ident) for c in request.chains])
+        self._drain_soon()
         return meta_pb2.TouchResponse(stored=stored)
 
     async def Remove(self, request, context):

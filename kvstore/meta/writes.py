@@ -97,8 +97,8 @@ class Writes:
                 seg, offset = got
                 e = Entry(key, put_id)
                 rep = self._add_replica(e, seg, offset, extent_size(size, seg.align), size)
+                self.policy.created(e)  # before the entries change (kvstore.meta.policy: defer)
                 self.entries[key] = e
-                self.policy.created(e)
                 allocated.append(e)
                 status.append(PutStatus.ALLOCATED)
                 placements.append(rep)

@@ -246,3 +246,35 @@ def test_the_mode_switches_only_on_a_difference_the_noise_does_not_explain():
     assert not p.frequency_mode
     p._choose(11_000.0, 10_000.0)  # 1000 > 290 and 10 % > the 5 % margin
     assert p.frequency_mode
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_deferred_accounting_makes_every_decision_the_same(seed: int):
+    """The service queues reads' accounting and drains it after answering (policy.defer): with
+    drains at random points, the same traffic must keep the same blocks, decline the same puts
+    and end in the same policy state as accounting at once, through mode switches, evictions,
+    removals and SSD-less admission."""
+    now, later = make(slots=300), make(slots=300)
+    later.policy.defer = True
+    rng, drains = random.Random(seed), random.Random(seed + 100)
+    fresh = 10**6
+    queued = 0
+    for step in range(1500):
+        if rng.random() < 0.5:
+            ids = (5000 + rng.randrange(150),)
+        else:
+            fresh += 30
+            ids = tuple(range(fresh, fresh + 30))
+        assert read(now, *ids) == read(later, *ids)
+        queued += bool(later.policy._pending)
+        if drains.random() < 0.3:
+            later.policy.drain()
+        assert store(now, *ids, check=False) == store(later, *ids, check=False)
+        if step % 97 == 0:
+            victim = pk(5000 + rng.randrange(150))
+            assert now.remove(victim) == later.remove(victim)
+    assert queued > 1000, "reads were not queued: the test did not defer"
+    assert now.policy.stats() == later.policy.stats()  # stats() drains first
+    assert set(now.entries) == set(later.entries)
+    assert now.policy.mode_switches > 0, "the traffic never switched modes: the test shows too little"
+    later.check_integrity()
