@@ -10,7 +10,7 @@ import platform
 
 from setuptools import Extension, setup
 
-SRC = ["kvstore/transport/copy.c"]
+SRC = ["kvstore/transport/copy.c", "kvstore/transport/recv.c"]
 FLAGS = ["-O3", "-std=c11", "-Wall"]
 
 

@@ -22,7 +22,7 @@ VPY=.venv/bin/python
 stamp=.venv/.kvstore-setup
 # The stamp covers this script and the native source too, so that a step added here, or a change
 # to the C code, also runs on machines set up before.
-want="$(cat pyproject.toml setup.py kvstore/transport/copy.c scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}-${KVSTORE_NO_VLLM:-0}-${KVSTORE_NO_LMCACHE:-0}"
+want="$(cat pyproject.toml setup.py kvstore/transport/*.[ch] scripts/setup.sh | sha256sum | cut -c1-16)-${KVSTORE_NO_TORCH:-0}-${KVSTORE_NO_VLLM:-0}-${KVSTORE_NO_LMCACHE:-0}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

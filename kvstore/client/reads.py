@@ -90,7 +90,10 @@ class Reads:
             # a restart raced this read): the index has its new place, if it still has one. Not
             # there a second time, it is reported gone, so that the index forgets it.
             log.info("event=block_moved_mid_read index=%d action=acquire_again", loaded)
-            loaded, _ = await self._get_leased(keys, dests, loaded, True)
+            try:
+                loaded, _ = await self._get_leased(keys, dests, loaded, True)
+            except KVStoreError as e:  # the blocks loaded so far stand: the rest is a miss
+                log.info("event=acquire_again_failed loaded=%d reason=%r", loaded, str(e))
         return loaded
 
     async def _get_leased(

@@ -259,8 +259,7 @@ class AdaptivePolicy(LruPolicy):
 
     @property
     def frequency_mode(self) -> bool:
-        self.drain()
-        return self._mode
+        return self._mode  # as of the last drain
 
     def _population(self) -> int:
         return max(MIN_POPULATION, len(self.entries))
@@ -395,7 +394,7 @@ class AdaptivePolicy(LruPolicy):
         return super().demotion_order(pool, want)
 
     def stats(self) -> dict[str, int]:
-        self.drain()
+        # Read-only, without a drain: the metrics thread calls it while the service runs.
         return {
             "policy_frequency_mode": int(self._mode),
             "policy_mode_switches": self.mode_switches,

@@ -186,7 +186,9 @@ def test_damaged_header_on_ssd_is_a_miss_reported_on_the_second_look(cluster):
         data = cluster.tmp / "daemon-hdr" / "ssd" / "ssd-2.data"
         flip(data, loc.offset + 3, 0x01)
         out = [np.empty(SIZE, np.uint8) for _ in keys]
+        acquires = c.stats().counters["acquires"]
         assert c.get_into(keys, out) == 2
+        assert c.stats().counters["acquires"] == acquires + 2, "the index was not asked again"
         assert all(np.array_equal(out[i], content(keys[i])) for i in range(2))
         wait_until(lambda: c.lookup(keys) == 2)
         assert c.stats().counters["corrupt_reported"] == 1

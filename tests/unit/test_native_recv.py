@@ -4,8 +4,10 @@ staged offsets, and the errors of a peer that closes or goes quiet mid-answer. R
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -86,7 +88,13 @@ def receive(wire: bytes, items: list[tuple], lengths: list[int], close_after: bo
 @pytest.mark.parametrize("seed", range(6))
 def test_native_and_python_receive_the_same(seed: int, monkeypatch):
     items, lengths, wire, want, statuses = answer(seed, 40)
-    got_native, dests_native = receive(wire, items, lengths)
+    calls = []
+    impl = native.impl
+    spy = SimpleNamespace(recv_blocks=lambda *a: calls.append(1) or impl.recv_blocks(*a))
+    with monkeypatch.context() as m:
+        m.setattr(native, "impl", spy)
+        got_native, dests_native = receive(wire, items, lengths)
+    assert calls, "the native receive did not run"
     with monkeypatch.context() as m:
         m.setattr(native, "impl", None)
         got_py, dests_py = receive(wire, items, lengths)
@@ -127,5 +135,35 @@ def test_recv_blocks_refuses_bad_arguments():
         with pytest.raises((ValueError, TypeError, OverflowError)):
             native.impl.recv_blocks(b.fileno(), [np.zeros(4, np.uint8)], [-1])
     finally:
+        a.close()
+        b.close()
+
+
+class Interrupted(Exception):
+    pass
+
+
+@needs_native
+def test_a_signal_interrupts_the_native_receive_as_it_would_a_python_recv():
+    """Python's signal handlers run while the native loop waits (the GIL is taken back at
+    EINTR), so a handler that raises ends the wait at once, not at the socket's timeout."""
+    items, lengths, wire, _want, _st = answer(3, 4)
+    a, b = socket.socketpair()
+    kernel_timeouts(b, 20.0)
+    a.sendall(wire[:3])  # part of an answer, then silence
+
+    def handler(signum, frame):  # noqa: ANN001
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        start = time.monotonic()
+        with pytest.raises(Interrupted):
+            TcpTransport._recv_read(b, "peer", items, [np.zeros(n, np.uint8) for n in lengths], b"", None)
+        assert time.monotonic() - start < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
         a.close()
         b.close()
