@@ -610,7 +610,11 @@ def render(r: dict, png: str | None) -> str:
         " The memcpy baseline is one `np.copyto` per block in a Python loop; kvstore's shared-memory read of a run of"
         " blocks is one call into its native copy (`kvstore/transport/copy.c`: copy, xxh3-64 of the copy, header"
         " checks, GIL released), so at 64 KiB it pays the checksum the baseline does not, and the baseline pays a"
-        " Python call per block that kvstore does not."
+        " Python call per block that kvstore does not. Over TCP each copy thread's answer is received by one native"
+        " call (`kvstore/transport/recv.c`: every block's bytes from the socket straight into its buffer, the one"
+        " copy the raw socket also pays, then their xxh3-64); the daemon sends from its arena without a checksum. So"
+        " against the raw socket a TCP get pays the `Acquire` round trip, the client's checksum and the daemon's"
+        " per-block Python (header and ticket checks, gathering)."
         f" Native copy in this run: `{r.get('native', 'python')}`.",
         "",
         "| block | batch | memcpy GB/s | shm get | shm put | get/memcpy | raw socket GB/s | tcp get | tcp put | get/socket | put/socket |",
