@@ -238,8 +238,10 @@ class TcpTransport:
                 region = staging(path, int(size), int(request_bytes), int(inode))
             except (OSError, ValueError) as e:
                 raise Unavailable(f"data port {addr}: cannot map its staging region {path}: {e}") from None
-        if native.impl is not None and type(s) is socket.socket and s.gettimeout() is None:
-            # A plain blocking socket: the whole answer in one GIL-free call.
+        if region is None and native.impl is not None and type(s) is socket.socket and s.gettimeout() is None:
+            # A plain blocking socket: the whole answer in one GIL-free call. Not for staged
+            # answers: their blocks are copied as each status arrives, while the daemon is still
+            # reading the next ones from disk.
             statuses, staged = native.impl.recv_blocks(s.fileno(), dests, [it[4] for it in items])
             ok = [st if st in _FAILED else EntryStatus.OK for st in statuses]
             for i, off in staged:

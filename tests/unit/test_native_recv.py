@@ -22,15 +22,17 @@ needs_native = pytest.mark.skipif(native.impl is None, reason="the native copy i
 REGION = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
 
 
-def answer(seed: int, n: int) -> tuple[list[tuple], list[int], bytes, list[bytes], list[int]]:
+def answer(seed: int, n: int, staged: bool = False) -> tuple[list[tuple], list[int], bytes, list[bytes], list[int]]:
     """A random answer of ``n`` entries: (items, lengths, wire bytes, expected payloads,
-    expected statuses)."""
+    expected statuses); with ``staged``, some blocks come staged."""
     rng = np.random.default_rng(seed)
     items, lengths, wire, want, statuses = [], [], bytearray(), [], []
     for i in range(n):
         length = int(rng.choice([1, 17, 4096, 65536, 300_000]))
         data = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
         kind = int(rng.integers(0, 7))
+        if kind == 5 and not staged:
+            kind = 6
         csum = checksum(data)
         if kind == 0:  # bytes that do not match their checksum
             csum ^= 1
@@ -59,7 +61,9 @@ def answer(seed: int, n: int) -> tuple[list[tuple], list[int], bytes, list[bytes
     return items, lengths, bytes(wire), want, statuses
 
 
-def receive(wire: bytes, items: list[tuple], lengths: list[int], close_after: bool = False) -> tuple[list, list]:
+def receive(
+    wire: bytes, items: list[tuple], lengths: list[int], close_after: bool = False, staged: bool = False
+) -> tuple[list, list]:
     a, b = socket.socketpair()
     kernel_timeouts(b, 2.0)
     region = SimpleNamespace(array=REGION, size=REGION.size)
@@ -76,7 +80,8 @@ def receive(wire: bytes, items: list[tuple], lengths: list[int], close_after: bo
     t.start()
     dests = [np.zeros(n, np.uint8) for n in lengths]
     try:
-        got = TcpTransport._recv_read(b, "peer", items, dests, b"region\n1048576\n65536\n1", lambda *_: region)
+        msg = b"region\n1048576\n65536\n1" if staged else b""
+        got = TcpTransport._recv_read(b, "peer", items, dests, msg, lambda *_: region)
     finally:
         b.close()
         t.join()
@@ -167,3 +172,23 @@ def test_a_signal_interrupts_the_native_receive_as_it_would_a_python_recv():
         signal.signal(signal.SIGALRM, old)
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_staged_answers_copy_each_block_from_the_region(seed: int):
+    """A staged answer (a same-host SSD read) is received block by block, each staged block
+    copied as its status arrives; streamed ones in it are checked as anywhere."""
+    items, lengths, wire, want, statuses = answer(seed, 40, staged=True)
+    got, dests = receive(wire, items, lengths, staged=True)
+    assert list(got) == statuses
+    for st, w, d in zip(statuses, want, dests):
+        if st == EntryStatus.OK:
+            assert d.tobytes() == w
+
+
+@needs_native
+def test_a_staged_block_in_an_answer_without_a_region_is_refused():
+    items, lengths, wire, _want, statuses = answer(0, 40, staged=True)
+    assert EntryStatus.OK in statuses
+    with pytest.raises(ConnectionError):
+        receive(wire, items, lengths, staged=False)
