@@ -143,12 +143,13 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         if rep.evictable():
             rep.segment.lru[rep.entry.key] = rep
 
-    def _drop_replica(self, rep: Replica, free: bool = True, defer: bool = False) -> None:
+    def _drop_replica(self, rep: Replica, free: bool = True) -> None:
         """Removes a replica from the index. Its extent is freed now, or when its last lease
         ends; ``free=False`` (daemon lost) forgets the space along with the daemon. An entry
         left with no ready replica leaves the index. A freed replica that the daemon may hold
-        committed leaves a tombstone for it; with ``defer`` (a copy that moved elsewhere), only
-        when its last lease ends, so that a reader holding one still finds it at the daemon."""
+        committed leaves a tombstone for it at once (also under a lease: a reader that then
+        finds it gone asks the index again, kvstore.client.reads; a tombstone held back until
+        the lease ends would be lost with a restart, and the block would come back)."""
         if not rep.live:
             return
         e = rep.entry
@@ -164,10 +165,8 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         if rep in e.replicas:
             e.replicas.remove(rep)
         if free:
-            if committed and not (defer and rep.leases):
+            if committed:
                 self._tombstone(rep)
-            else:
-                rep.tomb_due = committed  # at its last lease's end (_unlease)
             if rep.leases == 0:
                 seg.alloc.release(rep.offset, rep.size)
         if e.complete and not any(r.ready for r in e.replicas):
@@ -276,8 +275,6 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
             return
         rep.segment.leased -= 1
         if not rep.live:
-            if rep.tomb_due and self.daemons.get(rep.segment.daemon.spec.daemon_id) is rep.segment.daemon:
-                self._tombstone(rep)
             rep.segment.alloc.release(rep.offset, rep.size)
             return
         if rep.evictable():

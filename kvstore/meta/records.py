@@ -92,7 +92,6 @@ ROW = struct.Struct("<IIQQQQ")  # segment ref | reserved | offset | length | che
 class Replica:
     __slots__ = (
         "segment", "offset", "size", "length", "checksum", "leases", "entry", "live", "ready", "row", "gen", "written",
-        "tomb_due",
     )  # fmt: skip
 
     def __init__(self, segment: Segment, offset: int, size: int, length: int, entry: Entry, gen: int) -> None:
@@ -109,9 +108,6 @@ class Replica:
         # The daemon may hold a committed header for it (a commit or move was attempted):
         # dropping it then needs a tombstone even if it never became ready.
         self.written = False
-        # Dropped while leased: the daemon is told to forget it when the last lease ends, so
-        # that a reader holding one still finds it there (TCP reads check the header).
-        self.tomb_due = False
         self.row = ROW.pack(segment.ref, 0, offset, length, 0, gen)
 
     @property

@@ -136,9 +136,7 @@ class TierMoves:
             self.counters[f"{kind}_bytes"] += src.length
             self._unlease(src)
             if mv.demote:
-                # Readers that leased the DRAM copy may still be reading it over TCP: its daemon
-                # forgets it when they are done (the block itself is on SSD now).
-                self._drop_replica(src, defer=True)
+                self._drop_replica(src)
             return
         self.counters["moves_failed"] += 1
         if dst.live:
