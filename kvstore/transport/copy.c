@@ -16,6 +16,36 @@
  */
 #include "native.h"
 
+#include <time.h>
+
+/* The part of an extent header a read compares (kvstore.extent, struct "<4sHH16sQQQ"): magic,
+ * version, flags (0: committed, uncompressed), key, length, checksum, generation. */
+#define PREFIX_BYTES 8
+#define KEY_BYTES 16
+#define HEAD_BYTES 48
+
+/* Placement fields (kvstore.wire.Placement, a NamedTuple). */
+enum { P_OFFSET = 2, P_LENGTH = 3, P_CHECKSUM = 4, P_GEN = 5, P_KEY = 7, P_FIELDS = 8 };
+
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    uint64_t length;
+    uint64_t checksum;
+    const uint8_t *header; /* where the extent's header is (NULL: not compared) */
+    uint8_t head[HEAD_BYTES];
+} block_t;
+
+static double monotonic_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void put_le64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
 /* Copies src to dst and returns the xxh3-64 of the copy. A block larger than a core's L2 cache
  * is copied and checksummed chunk by chunk, so that each chunk is checksummed while it is still in
  * L1 rather than read back from L3 or memory; a smaller one is copied whole and checksummed from

@@ -1,7 +1,9 @@
-/* The data port's READ answers received natively (kvstore.transport.tcp, through
+/* The data port's streamed READ answers received natively (kvstore.transport.tcp, through
  * kvstore.transport.native): on a plain blocking socket, each entry's status byte, then its
  * payload straight into its buffer and the xxh3-64 of it, with the GIL released for the whole
- * answer (taken back only to run Python's signal handlers when a signal interrupts a recv). */
+ * answer (taken back only to run Python's signal handlers when a signal interrupts a recv).
+ * Staged answers (same-host SSD reads) stay on the Python path, which copies each block as its
+ * status arrives; a staged entry here is refused. */
 #include "native.h"
 
 #include <errno.h>
@@ -9,7 +11,6 @@
 
 /* Entry statuses of a READ answer (kvstore.transport.frames.EntryStatus). */
 enum { ST_OK = 0, ST_MISMATCH = 1, ST_CHECKSUM = 2, ST_IO_ERROR = 3, ST_STAGED = 4 };
-#define STAGED_OFFSET_BYTES 8
 
 /* Fills buf[*pos..len) from a blocking socket, advancing *pos: 0, or 1 when the peer closed,
  * or -errno (-EINTR: a signal may have come, as when MSG_WAITALL returns short; the caller lets
@@ -30,6 +31,7 @@ static int recv_some(int fd, uint8_t *buf, size_t len, size_t *pos) {
 }
 
 #define SIGNALLED 2 /* a signal handler raised: the exception is set */
+#define UNASKED_STAGE 3 /* a staged entry in an answer that named no staging region */
 
 /* recv_some until done; between signals the GIL is taken back (``_save``: the caller's
  * Py_BEGIN_ALLOW_THREADS state) to run Python's handlers, as a Python recv would. */
@@ -48,21 +50,21 @@ static int recv_some(int fd, uint8_t *buf, size_t len, size_t *pos) {
     } while (0)
 
 const char kv_recv_blocks_doc[] =
-    "recv_blocks(fd, dests, checksums) -> (statuses, staged)\n\n"
-    "Receives the per-entry part of a READ answer from the blocking socket ``fd`` (kernel\n"
-    "timeouts): per entry a status byte, then for OK len(dests[i]) payload bytes into dests[i],\n"
-    "whose xxh3-64 must equal checksums[i] (else its status becomes CHECKSUM), or for STAGED the\n"
-    "8-byte offset of the block in the staging region. Returns the statuses (bytes, one per\n"
-    "entry) and the (index, offset) of each staged entry. Raises ConnectionError if the peer\n"
-    "closes, TimeoutError if it goes quiet past the socket's timeout, OSError otherwise.";
+    "recv_blocks(fd, dests, checksums) -> statuses\n\n"
+    "Receives the per-entry part of a streamed READ answer from the blocking socket ``fd``\n"
+    "(kernel timeouts): per entry a status byte, then for OK len(dests[i]) payload bytes into\n"
+    "dests[i], whose xxh3-64 must equal checksums[i] (else its status becomes CHECKSUM); a status\n"
+    "no daemon sends counts as MISMATCH. Returns the statuses (bytes, one per entry). Raises\n"
+    "ConnectionError if the peer closes or stages a block, TimeoutError if it goes quiet past\n"
+    "the socket's timeout, OSError otherwise.";
 
 PyObject *kv_recv_blocks(PyObject *self, PyObject *args) {
     int fd;
     PyObject *dests, *sums;
     if (!PyArg_ParseTuple(args, "iOO", &fd, &dests, &sums)) return NULL;
-    PyObject *result = NULL, *dseq = NULL, *cseq = NULL, *status_obj = NULL, *staged = NULL;
+    PyObject *result = NULL, *dseq = NULL, *cseq = NULL, *status_obj = NULL;
     Py_buffer *views = NULL;
-    uint64_t *want = NULL, *offsets = NULL;
+    uint64_t *want = NULL;
     Py_ssize_t held = 0, n = 0;
     dseq = PySequence_Fast(dests, "dests must be a sequence");
     cseq = dseq ? PySequence_Fast(sums, "checksums must be a sequence") : NULL;
@@ -74,9 +76,8 @@ PyObject *kv_recv_blocks(PyObject *self, PyObject *args) {
     }
     views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
     want = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t));
-    offsets = PyMem_Calloc(n ? n : 1, sizeof(uint64_t));
     status_obj = PyBytes_FromStringAndSize(NULL, n);
-    if (views == NULL || want == NULL || offsets == NULL || status_obj == NULL) {
+    if (views == NULL || want == NULL || status_obj == NULL) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
@@ -101,19 +102,17 @@ PyObject *kv_recv_blocks(PyObject *self, PyObject *args) {
             if (err != 0) break;
             st[i] = XXH3_64bits(views[i].buf, (size_t)views[i].len) == want[i] ? ST_OK : ST_CHECKSUM;
         } else if (head == ST_STAGED) {
-            uint8_t raw[STAGED_OFFSET_BYTES];
-            RECV_FULL(err, fd, raw, STAGED_OFFSET_BYTES);
-            if (err != 0) break;
-            uint64_t off = 0;
-            for (int b = STAGED_OFFSET_BYTES - 1; b >= 0; b--) off = (off << 8) | raw[b];
-            offsets[i] = off;
-            st[i] = ST_STAGED;
+            err = UNASKED_STAGE;
         } else {
             st[i] = head == ST_CHECKSUM || head == ST_IO_ERROR ? head : ST_MISMATCH;
         }
     }
     Py_END_ALLOW_THREADS
     if (err == SIGNALLED) goto done;
+    if (err == UNASKED_STAGE) {
+        PyErr_SetString(PyExc_ConnectionError, "data port staged a block outside its staging region");
+        goto done;
+    }
     if (err == 1) {
         PyErr_SetString(PyExc_ConnectionError, "data port closed mid-response");
         goto done;
@@ -127,24 +126,13 @@ PyObject *kv_recv_blocks(PyObject *self, PyObject *args) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    if ((staged = PyList_New(0)) == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (st[i] != ST_STAGED) continue;
-        PyObject *pair = Py_BuildValue("(nK)", i, (unsigned long long)offsets[i]);
-        if (pair == NULL || PyList_Append(staged, pair) < 0) {
-            Py_XDECREF(pair);
-            goto done;
-        }
-        Py_DECREF(pair);
-    }
-    result = PyTuple_Pack(2, status_obj, staged);
+    result = status_obj;
+    status_obj = NULL;
 done:
     if (views != NULL) release_all(views, held);
     PyMem_Free(views);
     PyMem_Free(want);
-    PyMem_Free(offsets);
     Py_XDECREF(status_obj);
-    Py_XDECREF(staged);
     Py_XDECREF(dseq);
     Py_XDECREF(cseq);
     return result;

@@ -242,14 +242,7 @@ class TcpTransport:
             # A plain blocking socket: the whole answer in one GIL-free call. Not for staged
             # answers: their blocks are copied as each status arrives, while the daemon is still
             # reading the next ones from disk.
-            statuses, staged = native.impl.recv_blocks(s.fileno(), dests, [it[4] for it in items])
-            ok = [st if st in _FAILED else EntryStatus.OK for st in statuses]
-            for i, off in staged:
-                n = items[i][3]
-                if region is None or off + n > region.size:
-                    raise ConnectionError("data port staged a block outside its staging region")
-                np.copyto(dests[i], region.array[off : off + n])
-            return ok
+            return list(native.impl.recv_blocks(s.fileno(), dests, [it[4] for it in items]))
         ok = []
         status = bytearray(1)
         at = bytearray(STAGED_AT.size - 1)
