@@ -49,6 +49,7 @@ _OFFSET = struct.Struct("<Q")
 _MAGIC_U32 = int.from_bytes(MAGIC, "little")
 CLEARED = bytes(HEADER_SIZE)
 SECRET_BYTES = 32
+_KNOWN_MAX = 1 << 16  # headers a Sealer remembers as checked
 
 
 class ExtentHeader(NamedTuple):
@@ -93,6 +94,12 @@ class Sealer:
         if len(secret) < 16:
             raise ValueError("a sealing secret must be at least 16 bytes")
         self._secret = bytes(secret)
+        self._keyed = hashlib.blake2b(key=self._secret, digest_size=8)  # copied per seal: no key setup each time
+        # Headers known to be sealed for their offset: (header bytes, offset) -> fields. The seal
+        # covers exactly those bytes and that offset, so the same bytes at the same offset pass
+        # the same way every time: what this daemon sealed or checked once is not hashed again.
+        # Bounded (cleared when full).
+        self._known: dict[tuple[bytes, int], ExtentHeader] = {}
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike) -> Sealer:
@@ -122,28 +129,45 @@ class Sealer:
         return cls(secret)
 
     def _seal(self, body: bytes, offset: int) -> bytes:
-        return hashlib.blake2b(body + _OFFSET.pack(offset), key=self._secret, digest_size=8).digest()
+        h = self._keyed.copy()
+        h.update(body + _OFFSET.pack(offset))
+        return h.digest()
+
+    def _remember(self, raw: bytes, offset: int, h: ExtentHeader) -> None:
+        known = self._known
+        if len(known) >= _KNOWN_MAX:
+            known.clear()
+        known[(raw, offset)] = h
 
     def pack(
         self, key: bytes, length: int, csum: int, gen: int, offset: int, flags: int = 0, raw_length: int | None = None
     ) -> bytes:
         """A sealed header for the extent at ``offset``."""
-        body = _HEADER.pack(MAGIC, VERSION, flags, key, length, csum, gen, length if raw_length is None else raw_length)
-        return body + self._seal(body, offset)
+        raw_length = length if raw_length is None else raw_length
+        body = _HEADER.pack(MAGIC, VERSION, flags, key, length, csum, gen, raw_length)
+        raw = body + self._seal(body, offset)
+        self._remember(raw, offset, ExtentHeader(key, length, csum, gen, offset, flags, raw_length))
+        return raw
 
     def parse(self, buf, offset: int = 0, at: int | None = None) -> ExtentHeader | None:  # noqa: ANN001
         """The header at ``buf[offset:]`` if it is whole and sealed by this daemon for the extent
         at segment offset ``at`` (default ``offset``), else None."""
         raw = bytes(buf[offset : offset + HEADER_SIZE])
+        at = offset if at is None else at
+        known = self._known.get((raw, at))
+        if known is not None:
+            return known
         if len(raw) < HEADER_SIZE or raw[:4] != MAGIC:
             return None
         body = raw[:56]
-        if not hmac.compare_digest(raw[56:], self._seal(body, offset if at is None else at)):
+        if not hmac.compare_digest(raw[56:], self._seal(body, at)):
             return None
         _magic, version, flags, key, length, csum, gen, raw_len = _HEADER.unpack(body)
         if version != VERSION:
             return None
-        return ExtentHeader(key, length, csum, gen, offset if at is None else at, flags, raw_len)
+        h = ExtentHeader(key, length, csum, gen, at, flags, raw_len)
+        self._remember(raw, at, h)
+        return h
 
 
 class ScanResult(NamedTuple):

@@ -45,9 +45,25 @@ def new_key() -> bytes:
     return os.urandom(KEY_BYTES)
 
 
+# A keyed hasher per ticket key, copied for each MAC: the key block is hashed once, not per
+# ticket (a few keys live in a process: its own daemon's, or one per daemon the service knows).
+_KEYED: dict[bytes, object] = {}
+_KEYED_MAX = 1024
+
+
+def _keyed(key: bytes):  # noqa: ANN202 - a hashlib object
+    h = _KEYED.get(key)
+    if h is None:
+        if len(_KEYED) >= _KEYED_MAX:
+            _KEYED.clear()
+        h = _KEYED[key] = hashlib.blake2b(digest_size=MAC_BYTES, key=key)
+    return h.copy()  # type: ignore[attr-defined]
+
+
 def mac(key: bytes, op: int, segment_id: int, offset: int, length: int, gen: int, expiry: int, block: bytes) -> bytes:
-    msg = _SIGNED.pack(op, segment_id, offset, length, gen, expiry, block)
-    return hashlib.blake2b(msg, digest_size=MAC_BYTES, key=key).digest()
+    h = _keyed(key)
+    h.update(_SIGNED.pack(op, segment_id, offset, length, gen, expiry, block))
+    return h.digest()
 
 
 def issue(
@@ -74,7 +90,7 @@ def issue_many(keys: list[bytes], op: int, rows: list[tuple[int, int, int, int, 
             continue
         base = bases.get(key)
         if base is None:
-            base = bases[key] = hashlib.blake2b(digest_size=MAC_BYTES, key=key)
+            base = bases[key] = _keyed(key)
         h = base.copy()  # type: ignore[attr-defined]
         h.update(pack(op, seg, off, length, gen, expiry, block))
         out.append(tpack(h.digest(), expiry))

@@ -62,7 +62,7 @@ log = logging.getLogger("kvstore.daemon.dataport")
 
 READ_AHEAD = 2  # SSD blocks read ahead of the one being sent, per connection
 _STATUS = {int(st): bytes((st,)) for st in EntryStatus}
-# Tickets remembered as verified, and sealed headers remembered as parsed (DataPort), at most.
+# Tickets remembered as verified (DataPort), at most.
 _VERIFIED_MAX = 1 << 16
 # Bytes of block payloads gathered into one send on a read.
 _GATHER_BYTES = 1 << 20
@@ -155,7 +155,6 @@ class DataPort:
         self.max_block_bytes = max_block_bytes
         self._sealer = sealer
         self._verified: dict = {}  # tickets whose MAC matched (check_entries)
-        self._headers: dict = {}  # (segment, offset) -> (header bytes, parsed) (_header)
         self._sock = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
@@ -409,19 +408,9 @@ class DataPort:
 
     def _header(self, seg: ShmArena, off: int) -> ExtentHeader | None:
         """The sealed header of the DRAM extent at ``off`` (None: none, or not sealed by this
-        daemon for that offset). A header whose bytes are those parsed last time at that offset is
-        not checked again: the seal covers only the bytes and the offset, so the same bytes there
-        pass or fail the same way."""
-        raw = bytes(seg.view[off : off + HEADER_SIZE])
-        memo = self._headers.get((id(seg), off))
-        if memo is not None and memo[0] == raw:
-            return memo[1]
-        h = self._sealer.parse(raw, 0, at=off)
-        if h is not None:
-            if len(self._headers) >= _VERIFIED_MAX:
-                self._headers.clear()
-            self._headers[(id(seg), off)] = (raw, h)
-        return h
+        daemon for that offset). Headers this daemon sealed or checked before cost a lookup
+        (:class:`Sealer` remembers them)."""
+        return self._sealer.parse(seg.view[off : off + HEADER_SIZE], 0, at=off)
 
     def _slots(self, entries: list[tuple], arenas: list, ssd_idx: list[int]) -> dict[int, np.ndarray]:
         """Places in this connection's staging slice (the half whose turn it is) for the SSD

@@ -145,6 +145,22 @@ def test_header_sealed_with_another_secret_is_refused():
     assert SEALER.parse(raw) is None
 
 
+def test_remembered_headers_are_bounded_and_answer_as_a_fresh_check():
+    """A Sealer remembers the headers it sealed or checked (bytes and offset), at most
+    _KNOWN_MAX of them; a remembered header is still refused at another offset or with a
+    byte changed."""
+    sealer = Sealer(SECRET)
+    raws = [sealer.pack(key(i), 10, i, gen=i + 1, offset=i * ALIGN) for i in range(extent._KNOWN_MAX + 10)]
+    assert len(sealer._known) <= extent._KNOWN_MAX
+    for i in (0, 5, len(raws) - 1):
+        h = sealer.parse(raws[i], 0, at=i * ALIGN)
+        assert h == Sealer(SECRET).parse(raws[i], 0, at=i * ALIGN) and h is not None and h.key == key(i)
+        assert sealer.parse(raws[i], 0, at=(i + 1) * ALIGN) is None
+        bad = bytearray(raws[i])
+        bad[20] ^= 1
+        assert sealer.parse(bytes(bad), 0, at=i * ALIGN) is None
+
+
 def test_header_copied_to_another_offset_is_refused():
     """The seal binds the offset: a valid header copied elsewhere does not describe a block there."""
     buf = bytearray(4 * ALIGN)
