@@ -1,5 +1,6 @@
 """The optional native part of kvstore: batched copy + verify for the read paths
-(kvstore/transport/copy.c, see kvstore.transport.native). Everything else is in pyproject.toml.
+(kvstore/transport/copy.c, recv.c) and the daemon's answers to reads of DRAM blocks (serve.c);
+see kvstore.transport.native. Everything else is in pyproject.toml.
 
 Built twice: for the compiler's default vector unit, and with AVX2 (used where the CPU has it).
 Both are optional: without a C compiler or xxhash.h (Debian: libxxhash-dev, which
@@ -10,7 +11,7 @@ import platform
 
 from setuptools import Extension, setup
 
-SRC = ["kvstore/transport/copy.c", "kvstore/transport/recv.c"]
+SRC = ["kvstore/transport/copy.c", "kvstore/transport/recv.c", "kvstore/transport/serve.c"]
 FLAGS = ["-O3", "-std=c11", "-Wall"]
 
 

@@ -101,6 +101,12 @@ class Sealer:
         # Bounded (cleared when full).
         self._known: dict[tuple[bytes, int], ExtentHeader] = {}
 
+    @property
+    def secret(self) -> bytes:
+        """The sealing secret, for the daemon's native read serving (kvstore/transport/serve.c)
+        in the same process; it is never sent anywhere."""
+        return self._secret
+
     @classmethod
     def load_or_create(cls, path: str | os.PathLike) -> Sealer:
         """The secret stored at ``path`` (mode 0600), created once with fresh random bytes.

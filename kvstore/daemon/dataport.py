@@ -36,6 +36,7 @@ from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.daemon.staging import Staging
 from kvstore.extent import HEADER_SIZE, SSD_ALIGN, ExtentHeader, Sealer, checksum
+from kvstore.transport import native
 from kvstore.transport.frames import (
     DIRECT,
     ENTRY,
@@ -142,12 +143,16 @@ class DataPort:
         ticket_key: bytes = b"",
         ticket_skew_s: float = tickets.SKEW_S,
         staging: Staging | None = None,
+        one_ticket_key: Callable[[], bytes | None] | None = None,
     ) -> None:
         self._segments = segments
         # Capability tickets (kvstore.tickets): required from the start when there is a key;
         # the daemon turns them off only if the service it registers with signs none.
         self.ticket_key = ticket_key
         self.require_tickets = bool(ticket_key)
+        # With a ticket_key function (one key per metadata shard): the key of every extent when
+        # there is one, else None (kvstore.transport.serve.c checks a frame under one key).
+        self.one_ticket_key = one_ticket_key
         self.ticket_skew_s = ticket_skew_s
         self._ssl = ssl_context  # mutual TLS (kvstore.tls): a client certificate is required
         self.max_connections = max_connections
@@ -261,8 +266,12 @@ class DataPort:
                     raw = recv_bytes(conn, count * ENTRY.size) if count else b""
                     if raw is None:
                         return
-                    entries = list(ENTRY.iter_unpack(raw)) if count else []
-                    arenas = self._check(entries, op)
+                    plan = self._native_plan(conn, op, raw) if count else None
+                    if plan is None:
+                        entries = list(ENTRY.iter_unpack(raw)) if count else []
+                        arenas = self._check(entries, op)
+                    else:
+                        entries, arenas = [], []
                 except FrameError as e:
                     self.counters["bad_frames"] += 1
                     log.info("event=bad_frame reason=%r", str(e))
@@ -273,7 +282,7 @@ class DataPort:
                     self.active += 1
                 try:
                     if op == Op.READ:
-                        self._read(conn, op, req_id, entries, arenas, flags)
+                        self._read(conn, op, req_id, entries, arenas, flags, raw, plan)
                     elif op == Op.WRITE:
                         self._write(conn, op, req_id, entries, arenas)
                     else:
@@ -304,15 +313,68 @@ class DataPort:
             self.counters["ticket_refused"] += 1
             raise
 
-    def _read(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list, flags: int) -> None:
+    def _native_plan(self, conn: socket.socket, op: int, raw: bytes) -> tuple[list[int], list] | None:
+        """The DRAM segments a READ frame is served from natively (kvstore/transport/serve.c),
+        when it can be: a plain socket, the native module built, one ticket key (or none
+        required), and every entry naming a DRAM segment and passing what check_entries checks.
+        None: the Python path (SSD entries, TLS and sealed channels, several ticket keys, or a
+        frame it must refuse with the reason check_entries gives)."""
+        impl = native.impl
+        if op != Op.READ or impl is None or type(conn) is not socket.socket:
+            return None
+        key = self._one_key()
+        if key is None:
+            return None
+        ids, views, sizes = [], [], []
+        for sid, seg in self._segments().items():
+            if isinstance(seg, ShmArena):
+                ids.append(sid)
+                views.append(seg.view)
+                sizes.append(seg.size)
+        if (
+            not ids
+            or impl.check_reads(raw, ids, sizes, key, time.time(), self.ticket_skew_s, self.max_block_bytes) >= 0
+        ):
+            return None
+        return ids, views
+
+    def _one_key(self) -> bytes | None:
+        """The one key every ticket is checked with (b"": none are), or None when that depends
+        on the extent (several metadata shards) or no shard has given one yet."""
+        if not self.require_tickets:
+            return b""
+        k = self.ticket_key
+        if callable(k):
+            one = self.one_ticket_key() if self.one_ticket_key is not None else None
+            return one or None
+        return k
+
+    def _read(
+        self,
+        conn: socket.socket,
+        op: int,
+        req_id: int,
+        entries: list[tuple],
+        arenas: list,
+        flags: int,
+        raw: bytes = b"",
+        plan: tuple[list[int], list] | None = None,
+    ) -> None:
+        n = len(entries) if plan is None else len(raw) // ENTRY.size
         if flags & DIRECT:
             if time.monotonic() > self.direct_until:
                 # Without a lease, past a drain's grace (our blocks left the index): misses.
-                conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0))
-                conn.sendall(bytes([EntryStatus.MISMATCH]) * len(entries))
+                conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, n, 0))
+                conn.sendall(bytes([EntryStatus.MISMATCH]) * n)
                 return
             self.last_direct = time.monotonic()
-        self._serve_read(conn, op, req_id, entries, arenas, flags)
+        if plan is None:
+            self._serve_read(conn, op, req_id, entries, arenas, flags)
+        else:
+            conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, n, 0))
+            _ok, sent = native.impl.serve_reads(conn.fileno(), raw, plan[0], plan[1], self._sealer.secret)  # type: ignore[union-attr]
+            self.counters["reads"] += n
+            self.counters["read_bytes"] += sent
         if flags & DIRECT:
             self.last_direct = time.monotonic()
 

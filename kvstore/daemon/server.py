@@ -157,6 +157,7 @@ class CacheDaemon:
             ticket_key=self.ticket_key_for,
             ticket_skew_s=cfg.ticket_skew_s,
             staging=self.staging,
+            one_ticket_key=self.one_ticket_key,
         )
         self.control = _Control(self)  # served over gRPC; called directly by an in-process service
         self.control_port = 0
@@ -283,6 +284,11 @@ class CacheDaemon:
         cap, align = self.segment_sizes().get(segment_id, (0, 1))
         k = arena_of(offset, cap, align, len(self.links))
         return self.links[k].ticket_key if k >= 0 and self.links[k].registered else b""
+
+    def one_ticket_key(self) -> bytes | None:
+        """The key of every extent's tickets when one metadata shard hands them all out (None
+        with several shards: ticket_key_for tells them apart)."""
+        return self.links[0].ticket_key if len(self.links) == 1 else None
 
     def check_epoch(self, shard: int, epoch: int) -> None:
         """A control call of shard ``shard``'s leader at ``epoch``: refused unless that is the

@@ -237,6 +237,9 @@ static PyMethodDef methods[] = {
     {"read_many", read_many, METH_VARARGS, read_many_doc},
     {"byte_arrays", byte_arrays, METH_VARARGS, byte_arrays_doc},
     {"recv_blocks", kv_recv_blocks, METH_VARARGS, kv_recv_blocks_doc},
+    {"check_reads", kv_check_reads, METH_VARARGS, kv_check_reads_doc},
+    {"serve_reads", kv_serve_reads, METH_VARARGS, kv_serve_reads_doc},
+    {"blake2b_mac", kv_blake2b_mac, METH_VARARGS, kv_blake2b_mac_doc},
     {"has_avx2", has_avx2, METH_NOARGS, "Whether this CPU has AVX2 (ask the default build)."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,5 +1,6 @@
 /* What the native read paths share (copy.c: the shared-memory copy; recv.c: the data-port
- * receive): headers, module naming, argument helpers. See copy.c. */
+ * receive; serve.c: the daemon's answers to READ frames on DRAM): headers, module naming,
+ * argument helpers. See copy.c. */
 #ifndef KV_NATIVE_H
 #define KV_NATIVE_H
 
@@ -43,5 +44,13 @@ static inline void release_all(Py_buffer *views, Py_ssize_t n) {
 /* recv.c */
 PyObject *kv_recv_blocks(PyObject *self, PyObject *args);
 extern const char kv_recv_blocks_doc[];
+
+/* serve.c */
+PyObject *kv_check_reads(PyObject *self, PyObject *args);
+extern const char kv_check_reads_doc[];
+PyObject *kv_serve_reads(PyObject *self, PyObject *args);
+extern const char kv_serve_reads_doc[];
+PyObject *kv_blake2b_mac(PyObject *self, PyObject *args);
+extern const char kv_blake2b_mac_doc[];
 
 #endif
