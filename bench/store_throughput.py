@@ -612,9 +612,11 @@ def render(r: dict, png: str | None) -> str:
         " checks, GIL released), so at 64 KiB it pays the checksum the baseline does not, and the baseline pays a"
         " Python call per block that kvstore does not. Over TCP each copy thread's answer is received by one native"
         " call (`kvstore/transport/recv.c`: every block's bytes from the socket straight into its buffer, the one"
-        " copy the raw socket also pays, then their xxh3-64); the daemon sends from its arena without a checksum. So"
-        " against the raw socket a TCP get pays the `Acquire` round trip, the client's checksum and the daemon's"
-        " per-block Python (header and ticket checks, gathering)."
+        " copy the raw socket also pays, then their xxh3-64); the daemon answers a read of DRAM blocks in one native"
+        " call too (`kvstore/transport/serve.c`: each entry's ticket MAC and sealed header checked, the answers sent"
+        " from the arena without a checksum, GIL released). So against the raw socket a TCP get pays the `Acquire`"
+        " round trip (the metadata service's Python, in the same process as the daemon here), the daemon's checks"
+        " (two keyed BLAKE2b blocks per entry) and the client's checksum."
         f" Native copy in this run: `{r.get('native', 'python')}`.",
         "",
         "| block | batch | memcpy GB/s | shm get | shm put | get/memcpy | raw socket GB/s | tcp get | tcp put | get/socket | put/socket |",
