@@ -148,9 +148,15 @@ def test_served_bytes_are_the_blocks(store):
     assert store.port.counters["read_bytes"] == sum(n for _k, _o, n, _g in store.blocks)
 
 
+def plan_of(store: Store, raw: bytes):  # noqa: ANN201
+    """What the data port would serve natively of a READ frame of ``raw`` on a plain socket."""
+    with socket.socket() as s:
+        return store.port._native_plan(s, Op.READ, raw)
+
+
 def refused(store: Store, raw: bytes) -> None:
     """The frame is not served natively, and the Python check refuses it."""
-    assert store.port._native_plan(socket.socket(), Op.READ, raw) is None
+    assert plan_of(store, raw) is None
     with pytest.raises(FrameError):
         check_entries(
             list(ENTRY.iter_unpack(raw)), Op.READ, {SEG: store.arena}, store.port.max_block_bytes, store.key, 30
@@ -190,7 +196,7 @@ def test_frames_the_python_check_refuses_are_not_served_natively(store, bad):
     refused(store, b"".join(good[:2] + [e] + good[2:]))
     store.port.max_block_bytes = 1 << 30
     ok = b"".join(good)
-    assert store.port._native_plan(socket.socket(), Op.READ, ok) is not None
+    assert plan_of(store, ok) is not None
 
 
 def test_one_key_per_frame_or_the_python_path(tmp_path):
@@ -200,15 +206,15 @@ def test_one_key_per_frame_or_the_python_path(tmp_path):
         # Keys per metadata shard: natively only when one shard hands out every ticket.
         s.port.ticket_key = lambda seg, off: s.key
         s.port.one_ticket_key = None
-        assert s.port._native_plan(socket.socket(), Op.READ, raw) is None
+        assert plan_of(s, raw) is None
         s.port.one_ticket_key = lambda: None
-        assert s.port._native_plan(socket.socket(), Op.READ, raw) is None
+        assert plan_of(s, raw) is None
         s.port.one_ticket_key = lambda: b""  # no shard has given its key yet: never "no check"
-        assert s.port._native_plan(socket.socket(), Op.READ, raw) is None
+        assert plan_of(s, raw) is None
         s.port.one_ticket_key = lambda: s.key
-        assert s.port._native_plan(socket.socket(), Op.READ, raw) is not None
+        assert plan_of(s, raw) is not None
         s.port.one_ticket_key = lambda: b"x" * 32  # another key: the MACs do not match
-        assert s.port._native_plan(socket.socket(), Op.READ, raw) is None
+        assert plan_of(s, raw) is None
     finally:
         s.close()
 
@@ -243,3 +249,37 @@ def test_bad_arguments_are_typed_errors(store):
         native.impl.check_reads(raw[:-1], [SEG], [store.arena.size], b"", 0.0, 0.0, 1 << 30)
     with pytest.raises(TypeError):
         native.impl.check_reads(raw, ["x"], [1], b"", 0.0, 0.0, 1 << 30)
+
+
+def test_mutated_frames_are_judged_as_the_python_check_judges_them(store):
+    """Random frames with random bytes written over random fields: served natively exactly when
+    the Python check accepts them, and then with the Python path's answer."""
+    rng = random.Random(11)
+    fields = [(0, 16), (16, 20), (20, 24), (24, 32), (32, 40), (40, 48), (48, 56), (56, 72)]
+    served = refused_count = 0
+    for trial in range(400):
+        entries = [bytearray(store.entry(*rng.choice(store.blocks))) for _ in range(rng.randint(1, 8))]
+        for _ in range(rng.randint(0, 2)):
+            e = rng.choice(entries)
+            lo, hi = rng.choice(fields)
+            if rng.random() < 0.5:
+                e[lo:hi] = rng.randbytes(hi - lo)
+            else:  # a small change of a number: off by one, or a neighbour's value
+                v = int.from_bytes(e[lo:hi], "little") + rng.choice([-1, 1, 256, -256])
+                e[lo:hi] = (v % (1 << (8 * (hi - lo)))).to_bytes(hi - lo, "little")
+        raw = b"".join(bytes(e) for e in entries)
+        try:
+            check_entries(
+                list(ENTRY.iter_unpack(raw)), Op.READ, {SEG: store.arena}, store.port.max_block_bytes, store.key, 30
+            )
+            python_ok = True
+        except FrameError:
+            python_ok = False
+        plan = plan_of(store, raw)
+        assert (plan is not None) == python_ok, trial
+        if python_ok:
+            assert store.answer(raw, True) == store.answer(raw, False), trial
+            served += 1
+        else:
+            refused_count += 1
+    assert served > 50 and refused_count > 50
