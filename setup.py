@@ -12,13 +12,14 @@ import platform
 from setuptools import Extension, setup
 
 SRC = ["kvstore/transport/copy.c", "kvstore/transport/recv.c", "kvstore/transport/serve.c"]
+DEPENDS = ["kvstore/transport/native.h", "kvstore/transport/blake2b.h"]
 FLAGS = ["-O3", "-std=c11", "-Wall"]
 
 
 def ext(name: str, extra: list[str]) -> Extension:
     return Extension(
         f"kvstore.transport.{name}", SRC, define_macros=[("KV_MODULE", name)], extra_compile_args=FLAGS + extra,
-        optional=True,
+        depends=DEPENDS, optional=True,
     )  # fmt: skip
 
 

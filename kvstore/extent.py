@@ -149,10 +149,11 @@ class Sealer:
         self, key: bytes, length: int, csum: int, gen: int, offset: int, flags: int = 0, raw_length: int | None = None
     ) -> bytes:
         """A sealed header for the extent at ``offset``."""
-        raw_length = length if raw_length is None else raw_length
-        body = _HEADER.pack(MAGIC, VERSION, flags, key, length, csum, gen, raw_length)
+        body = _HEADER.pack(MAGIC, VERSION, flags, key, length, csum, gen, length if raw_length is None else raw_length)
         raw = body + self._seal(body, offset)
-        self._remember(raw, offset, ExtentHeader(key, length, csum, gen, offset, flags, raw_length))
+        # What a fresh check of these bytes gives (the key as packed: 16 bytes).
+        _magic, _version, flags, key, length, csum, gen, raw_len = _HEADER.unpack(body)
+        self._remember(raw, offset, ExtentHeader(key, length, csum, gen, offset, flags, raw_len))
         return raw
 
     def parse(self, buf, offset: int = 0, at: int | None = None) -> ExtentHeader | None:  # noqa: ANN001

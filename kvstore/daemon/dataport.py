@@ -68,6 +68,8 @@ _VERIFIED_MAX = 1 << 16
 # Bytes of block payloads gathered into one send on a read.
 _GATHER_BYTES = 1 << 20
 _READ_STATUS = {"checksum": EntryStatus.CHECKSUM, "io": EntryStatus.IO_ERROR}
+# Whether the native module serves reads (kvstore/transport/serve.c; an older build may not).
+_SERVES = native.impl is not None and hasattr(native.impl, "check_reads") and hasattr(native.impl, "serve_reads")
 
 
 def check_entries(
@@ -320,7 +322,7 @@ class DataPort:
         None: the Python path (SSD entries, TLS and sealed channels, several ticket keys, or a
         frame it must refuse with the reason check_entries gives)."""
         impl = native.impl
-        if op != Op.READ or impl is None or type(conn) is not socket.socket:
+        if op != Op.READ or not _SERVES or type(conn) is not socket.socket or conn.gettimeout() is not None:
             return None
         key = self._one_key()
         if key is None:
@@ -331,12 +333,13 @@ class DataPort:
                 ids.append(sid)
                 views.append(seg.view)
                 sizes.append(seg.size)
-        if (
-            not ids
-            or impl.check_reads(raw, ids, sizes, key, time.time(), self.ticket_skew_s, self.max_block_bytes) >= 0
-        ):
+        if not ids:
             return None
-        return ids, views
+        try:
+            bad = impl.check_reads(raw, ids, sizes, key, time.time(), self.ticket_skew_s, self.max_block_bytes)  # type: ignore[union-attr]
+        except (ValueError, TypeError, OverflowError):  # settings the native check does not take
+            return None
+        return (ids, views) if bad < 0 else None
 
     def _one_key(self) -> bytes | None:
         """The one key every ticket is checked with (b"": none are), or None when that depends
@@ -371,8 +374,8 @@ class DataPort:
         if plan is None:
             self._serve_read(conn, op, req_id, entries, arenas, flags)
         else:
-            conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, n, 0))
-            _ok, sent = native.impl.serve_reads(conn.fileno(), raw, plan[0], plan[1], self._sealer.secret)  # type: ignore[union-attr]
+            head = RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, n, 0)
+            _ok, sent = native.impl.serve_reads(conn.fileno(), head, raw, plan[0], plan[1], self._sealer.secret)  # type: ignore[union-attr]
             self.counters["reads"] += n
             self.counters["read_bytes"] += sent
         if flags & DIRECT:

@@ -111,15 +111,17 @@ const char kv_check_reads_doc[] =
 
 PyObject *kv_check_reads(PyObject *self, PyObject *args) {
     Py_buffer frame, key;
-    PyObject *ids, *sizes;
+    PyObject *ids, *sizes, *max_obj;
     double now, skew;
-    unsigned long long max_block;
-    if (!PyArg_ParseTuple(args, "y*OOy*ddK", &frame, &ids, &sizes, &key, &now, &skew, &max_block)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*OOy*ddO", &frame, &ids, &sizes, &key, &now, &skew, &max_obj)) return NULL;
     PyObject *result = NULL;
     seg_t segs[MAX_SEGMENTS];
     Py_ssize_t held = 0;
+    uint64_t max_block = 0;
     Py_ssize_t nseg = load_segments(ids, sizes, NULL, segs, NULL, &held);
     if (nseg < 0) goto done;
+    int fits = as_u64(max_obj, &max_block); /* 0 (negative): no length passes */
+    if (fits < 0) goto done;
     if (frame.len % ENTRY_BYTES != 0) {
         PyErr_SetString(PyExc_ValueError, "entries must be whole 72-byte entries");
         goto done;
@@ -190,35 +192,44 @@ static int send_all(int fd, struct iovec *iov, int n) {
 
 static const uint8_t STATUS_BYTES[2] = {0, 1}; /* EntryStatus OK, MISMATCH */
 
-/* Whether the extent header ``h`` (a copy) at ``off`` is this daemon's seal of entry ``e``'s block. */
-static int header_names(const uint8_t *h, uint64_t off, const entry_t *e, const kv_mac_key *seal) {
+/* An entry as serve_reads checked it (copied out of the frame, with its segment's base). */
+typedef struct {
+    uint8_t key[16];
+    uint64_t off, len, gen;
+    const uint8_t *base;
+} served_t;
+
+/* Whether the extent header ``h`` (a copy) at ``e``'s offset is this daemon's seal of its block. */
+static int header_names(const uint8_t *h, const served_t *e, const kv_mac_key *seal) {
     if (memcmp(h, "KVB1", 4) != 0 || h[4] != 2 || h[5] != 0) return 0; /* magic, version 2 (u16) */
     if (memcmp(h + 8, e->key, 16) != 0 || kv_load64(h + 24) != e->len || kv_load64(h + 40) != e->gen) return 0;
     uint8_t msg[64], mac[8];
     memcpy(msg, h, 56);
-    kv_store64(msg + 56, off);
+    kv_store64(msg + 56, e->off);
     kv_mac(seal, msg, sizeof msg, mac);
     return kv_equal(mac, h + 56, 8);
 }
 
 const char kv_serve_reads_doc[] =
-    "serve_reads(fd, entries, segment_ids, segment_views, secret) -> (ok, payload_bytes)\n\n"
-    "Answers the entries of a READ frame whose response head was sent, on the blocking socket\n"
-    "``fd``: per entry, if the extent at its offset in its segment (``segment_views``: the\n"
-    "arenas' buffers) holds a header sealed by ``secret`` for that offset naming the entry's key,\n"
-    "length and generation, status OK and the payload, else status MISMATCH. Every entry must\n"
-    "name a given segment and fit in it (check_reads). Returns how many were OK and their bytes.\n"
-    "Raises OSError (BlockingIOError past the socket's send timeout) if the socket fails.";
+    "serve_reads(fd, head, entries, segment_ids, segment_views, secret) -> (ok, payload_bytes)\n\n"
+    "On the blocking socket ``fd``, sends ``head`` (the response head), then answers the entries\n"
+    "of a READ frame: per entry, if the extent at its offset in its segment (``segment_views``:\n"
+    "the arenas' buffers) holds a header sealed by ``secret`` for that offset naming the entry's\n"
+    "key, length and generation, status OK and the payload, else status MISMATCH. Every entry\n"
+    "must name a given segment and fit in it (check_reads), else ValueError and nothing is sent.\n"
+    "Returns how many were OK and their bytes. Raises OSError (BlockingIOError past the socket's\n"
+    "send timeout) if the socket fails.";
 
 PyObject *kv_serve_reads(PyObject *self, PyObject *args) {
     int fd;
-    Py_buffer frame, secret;
+    Py_buffer head, frame, secret;
     PyObject *ids, *views;
-    if (!PyArg_ParseTuple(args, "iy*OOy*", &fd, &frame, &ids, &views, &secret)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*y*OOy*", &fd, &head, &frame, &ids, &views, &secret)) return NULL;
     PyObject *result = NULL;
     seg_t segs[MAX_SEGMENTS];
     Py_buffer bufs[MAX_SEGMENTS];
     Py_ssize_t held = 0;
+    served_t *es = NULL;
     Py_ssize_t nseg = load_segments(ids, NULL, views, segs, bufs, &held);
     if (nseg < 0) goto done;
     if (frame.len % ENTRY_BYTES != 0) {
@@ -230,16 +241,26 @@ PyObject *kv_serve_reads(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t n = frame.len / ENTRY_BYTES;
-    const uint8_t *p = (const uint8_t *)frame.buf;
-    /* Every entry is checked before any byte goes: one outside its segment is refused whole. */
+    es = PyMem_Malloc((n ? n : 1) * sizeof(served_t));
+    if (es == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Every entry is checked before any byte goes (one outside its segment is refused whole),
+     * and served from that checked copy, whatever the caller's buffer holds meanwhile. */
     for (Py_ssize_t i = 0; i < n; i++) {
         entry_t e;
-        entry_at(p + i * ENTRY_BYTES, &e);
+        entry_at((const uint8_t *)frame.buf + i * ENTRY_BYTES, &e);
         const seg_t *s = find_seg(segs, nseg, e.seg);
         if (s == NULL || s->size < HEADER_BYTES || e.off > s->size - HEADER_BYTES || e.len > s->size - HEADER_BYTES - e.off) {
             PyErr_Format(PyExc_ValueError, "entry %zd is outside the given segments", i);
             goto done;
         }
+        memcpy(es[i].key, e.key, 16);
+        es[i].off = e.off;
+        es[i].len = e.len;
+        es[i].gen = e.gen;
+        es[i].base = s->base;
     }
     Py_ssize_t ok = 0;
     unsigned long long bytes = 0;
@@ -250,19 +271,21 @@ PyObject *kv_serve_reads(PyObject *self, PyObject *args) {
     kv_mac_init(&seal, (const uint8_t *)secret.buf, (size_t)secret.len, 8);
     int k = 0;
     size_t gathered = 0;
+    if (head.len) { /* the response head goes in the first send */
+        iov[k].iov_base = head.buf;
+        iov[k++].iov_len = (size_t)head.len;
+    }
     for (Py_ssize_t i = 0; i < n && !err; i++) {
-        entry_t e;
-        entry_at(p + i * ENTRY_BYTES, &e);
-        const seg_t *s = find_seg(segs, nseg, e.seg);
+        const served_t *e = &es[i];
         uint8_t h[HEADER_BYTES];
-        memcpy(h, s->base + e.off, HEADER_BYTES); /* a copy: the arena may change under us */
-        if (header_names(h, e.off, &e, &seal)) {
+        memcpy(h, e->base + e->off, HEADER_BYTES); /* a copy: the arena may change under us */
+        if (header_names(h, e, &seal)) {
             iov[k].iov_base = (void *)&STATUS_BYTES[0];
             iov[k++].iov_len = 1;
-            iov[k].iov_base = (void *)(s->base + e.off + HEADER_BYTES);
-            iov[k++].iov_len = (size_t)e.len;
-            gathered += (size_t)e.len;
-            bytes += e.len;
+            iov[k].iov_base = (void *)(e->base + e->off + HEADER_BYTES);
+            iov[k++].iov_len = (size_t)e->len;
+            gathered += (size_t)e->len;
+            bytes += e->len;
             ok++;
         } else {
             iov[k].iov_base = (void *)&STATUS_BYTES[1];
@@ -284,6 +307,8 @@ PyObject *kv_serve_reads(PyObject *self, PyObject *args) {
     result = Py_BuildValue("nK", ok, bytes);
 done:
     release_all(bufs, held);
+    PyMem_Free(es);
+    PyBuffer_Release(&head);
     PyBuffer_Release(&frame);
     PyBuffer_Release(&secret);
     return result;

@@ -36,4 +36,5 @@ def test_remembered_headers_answer_as_a_fresh_check(tmp_path):
                 fresh = Sealer(b"s" * 32)
                 assert port._header(arena, o) == fresh.parse(arena.view, o), (step, o)
     finally:
+        port.stop()
         arena.close()

@@ -161,6 +161,14 @@ def test_remembered_headers_are_bounded_and_answer_as_a_fresh_check():
         assert sealer.parse(bytes(bad), 0, at=i * ALIGN) is None
 
 
+def test_a_remembered_header_is_what_was_packed():
+    """A key shorter than 16 bytes is packed padded: the Sealer remembers it as packed."""
+    sealer = Sealer(SECRET)
+    raw = sealer.pack(b"abc", 10, 1, gen=2, offset=ALIGN)
+    assert sealer.parse(raw, 0, at=ALIGN) == Sealer(SECRET).parse(raw, 0, at=ALIGN)
+    assert sealer.parse(raw, 0, at=ALIGN).key == b"abc" + bytes(13)
+
+
 def test_header_copied_to_another_offset_is_refused():
     """The seal binds the offset: a valid header copied elsewhere does not describe a block there."""
     buf = bytearray(4 * ALIGN)
