@@ -120,8 +120,7 @@ PyObject *kv_check_reads(PyObject *self, PyObject *args) {
     uint64_t max_block = 0;
     Py_ssize_t nseg = load_segments(ids, sizes, NULL, segs, NULL, &held);
     if (nseg < 0) goto done;
-    int fits = as_u64(max_obj, &max_block); /* 0 (negative): no length passes */
-    if (fits < 0) goto done;
+    if (as_u64(max_obj, &max_block) < 0) goto done; /* one that does not fit (negative): no length passes */
     if (frame.len % ENTRY_BYTES != 0) {
         PyErr_SetString(PyExc_ValueError, "entries must be whole 72-byte entries");
         goto done;
