@@ -142,9 +142,12 @@ def test_the_native_copy_is_built_where_it_can_be():
 
 
 @needs_native
-@pytest.mark.parametrize("length", [(1 << 20) + 1, (3 << 20) + 4097, 5 << 20])
-def test_blocks_past_the_chunked_size_are_copied_and_verified_whole(tmp_path: Path, length: int, monkeypatch):
-    """Blocks over 1 MiB are copied and checksummed chunk by chunk: every byte still counts."""
+@pytest.mark.parametrize(
+    "length", [4095, 4096, 4097, 8193, 12289, 16383, 16385, 65536 + 7, (1 << 20) + 1, (3 << 20) + 4097, 5 << 20]
+)
+def test_blocks_copied_chunk_by_chunk_are_verified_whole(tmp_path: Path, length: int, monkeypatch):
+    """Blocks over a chunk (4-16 KiB, from the L1 cache's size) are copied and checksummed chunk
+    by chunk: lengths around every possible chunk size, and every byte still counts."""
     rng = np.random.default_rng(length)
     arena = ShmArena(tmp_path / "arena", 8 << 20, create=True)
     try:
@@ -156,7 +159,8 @@ def test_blocks_past_the_chunked_size_are_copied_and_verified_whole(tmp_path: Pa
         out = np.empty(length, np.uint8)
         assert ShmTransport.read_many(arena, [place], [out], [key], math.inf) == 1
         assert np.array_equal(out, data)
-        for at in (0, 4095, 4096, length // 2, length - 1):  # a flipped byte anywhere is caught
+        # A flipped byte anywhere is caught.
+        for at in sorted({0, 4095 % length, 4096 % length, 12288 % length, length // 2, length - 1}):
             arena.array[HEADER_SIZE + at] ^= 0x01
             assert ShmTransport.read_many(arena, [place], [out], None, math.inf) == 0, at
             assert _python(arena, [place], [out], None, math.inf, monkeypatch) == 0

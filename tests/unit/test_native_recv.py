@@ -28,10 +28,10 @@ def answer(seed: int, n: int, staged: bool = False) -> tuple[list[tuple], list[i
     rng = np.random.default_rng(seed)
     items, lengths, wire, want, statuses = [], [], bytearray(), [], []
     for i in range(n):
-        length = int(rng.choice([1, 17, 4096, 65536, 300_000]))
+        length = int(rng.choice([1, 17, 4096, 65536, 300_000, (2 << 20) + 3]))
         data = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
         kind = int(rng.integers(0, 7))
-        if kind == 5 and not staged:
+        if kind == 5 and (not staged or length >= REGION.size):
             kind = 6
         csum = checksum(data)
         if kind == 0:  # bytes that do not match their checksum
@@ -149,13 +149,19 @@ class Interrupted(Exception):
 
 
 @needs_native
-def test_a_signal_interrupts_the_native_receive_as_it_would_a_python_recv():
+@pytest.mark.parametrize("mid_payload", [False, True])
+def test_a_signal_interrupts_the_native_receive_as_it_would_a_python_recv(mid_payload: bool):
     """Python's signal handlers run while the native loop waits (the GIL is taken back at
-    EINTR), so a handler that raises ends the wait at once, not at the socket's timeout."""
+    EINTR), so a handler that raises ends the wait at once, not at the socket's timeout: between
+    entries, and inside a payload large enough to be received piece by piece."""
     items, lengths, wire, _want, _st = answer(3, 4)
+    if mid_payload:
+        data = bytes(range(256)) * 4096  # 1 MiB: received and checksummed piece by piece
+        items, lengths = [(bytes(16), 1, 0, len(data), checksum(data), 1, b"")], [len(data)]
+        wire = bytes([EntryStatus.OK]) + data[:100_000]  # fits the socket buffer
     a, b = socket.socketpair()
     kernel_timeouts(b, 20.0)
-    a.sendall(wire[:3])  # part of an answer, then silence
+    a.sendall(wire if mid_payload else wire[:3])  # part of an answer, then silence
 
     def handler(signum, frame):  # noqa: ANN001
         raise Interrupted
