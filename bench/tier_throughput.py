@@ -56,11 +56,12 @@ from kvstore import (  # noqa: E402
     procs,  # noqa: E402
 )
 from kvstore.config import ClientConfig  # noqa: E402
-from kvstore.daemon.dataport import READ_AHEAD  # noqa: E402
+from kvstore.daemon.dataport import IO_WORKERS, READ_AHEAD  # noqa: E402
 
-# Reads kvstore keeps in flight for one large get from SSD: READ_AHEAD per data-port connection,
-# one connection per client I/O thread. The raw baseline reads with as many.
-INFLIGHT = READ_AHEAD * ClientConfig().io_threads
+# Direct reads kvstore keeps in flight for one large get from SSD: READ_AHEAD submitted per
+# data-port connection, one connection per client I/O thread, run by at most IO_WORKERS threads.
+# The raw baseline reads with as many.
+INFLIGHT = min(READ_AHEAD * ClientConfig().io_threads, IO_WORKERS)
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen, dict]:
@@ -386,8 +387,8 @@ def render(r: dict) -> str:
         " through the daemon's staging region (the daemon reads each block into shared memory and verifies it"
         " there, the client copies it once; `kvstore/daemon/staging.py`). Baselines, same bytes, block size,"
         " filesystem and run: a sequential O_DIRECT write; O_DIRECT reads with "
-        f"{t.get('raw_inflight', 1)} in flight (threads), as many as kvstore keeps (`READ_AHEAD` per data-port"
-        " connection x the client's I/O threads), and the same reads one at a time. Every repetition reads the raw"
+        f"{t.get('raw_inflight', 1)} in flight (threads), as many as kvstore keeps (`READ_AHEAD` submitted per data-port"
+        " connection x the client's I/O threads, run by at most the daemon's `IO_WORKERS` I/O threads), and the same reads one at a time. Every repetition reads the raw"
         " file just before and just after kvstore's get (each read, kvstore's too, is the first read of bytes just"
         " written: a re-read comes faster on this virtual disk) and compares the get with their mean, since this device's"
         " speed drifts within seconds; ratios are medians of those per-repetition ratios, GB/s medians of"

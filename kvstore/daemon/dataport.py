@@ -61,7 +61,13 @@ from kvstore.transport.sealed import REQUEST_BYTES, UPGRADE, server_upgrade
 
 log = logging.getLogger("kvstore.daemon.dataport")
 
-READ_AHEAD = 2  # SSD blocks read ahead of the one being sent, per connection
+# SSD reads a connection keeps submitted (the one it waits for included), and the daemon's I/O
+# threads that run them (for all connections): so a get split over two connections keeps
+# IO_WORKERS direct reads in flight, with one read per connection queued behind them, so that a
+# worker that finishes a read (and its checksum) starts the next at once, and a request's last
+# block does not leave the disk with half the reads in flight while the next request starts.
+READ_AHEAD = 3
+IO_WORKERS = 4
 _STATUS = {int(st): bytes((st,)) for st in EntryStatus}
 # Tickets remembered as verified (DataPort), at most.
 _VERIFIED_MAX = 1 << 16
@@ -179,7 +185,7 @@ class DataPort:
         self.last_direct = 0.0
         self.staging = staging  # where same-host readers get SSD blocks (frames.STAGED)
         self._local = threading.local()
-        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dataport-io")
+        self._io = ThreadPoolExecutor(max_workers=IO_WORKERS, thread_name_prefix="dataport-io")
         self._thread = threading.Thread(target=self._accept_loop, name="dataport-accept", daemon=True)
 
     def start(self) -> None:
