@@ -56,7 +56,7 @@ from kvstore import (  # noqa: E402
     procs,  # noqa: E402
 )
 from kvstore.config import ClientConfig  # noqa: E402
-from kvstore.daemon.dataport import IO_WORKERS, READ_AHEAD  # noqa: E402
+from kvstore.daemon.reads import IO_WORKERS, READ_AHEAD  # noqa: E402
 
 # Direct reads kvstore keeps in flight for one large get from SSD: READ_AHEAD submitted per
 # data-port connection, one connection per client I/O thread, run by at most IO_WORKERS threads.

@@ -297,6 +297,12 @@ class DaemonCollector:
             lbl,
         )
         yield _counter(
+            "kvstore_daemon_dataport_read_ahead_requests_total",
+            "Staged READ requests whose SSD reads began while the request before them was served",
+            dp.get("read_ahead_requests", 0),
+            lbl,
+        )
+        yield _counter(
             "kvstore_daemon_dataport_idle_closed_total",
             "Data-port connections closed after daemon.data_idle_timeout_s idle or stalled",
             dp.get("idle_closed", 0),

@@ -21,7 +21,7 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 with atheris.instrument_imports():
-    from kvstore.daemon import dataport  # noqa: F401 - instrumented for coverage
+    from kvstore.daemon import dataport, entries  # noqa: F401 - instrumented for coverage
     from kvstore.transport import frames  # noqa: F401
     from tests.unit.test_frame_parser import KEY, _accepted_invariants, parse
 

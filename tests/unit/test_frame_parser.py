@@ -1,5 +1,5 @@
 """The data port's frame parser (kvstore.transport.frames.check_head and
-kvstore.daemon.dataport.check_entries) on random bytes, property-based: every input is either
+kvstore.daemon.entries.check_entries) on random bytes, property-based: every input is either
 refused with FrameError or accepted with every accepted entry inside its segment, within the
 block limit and (with a ticket key) carrying a ticket for exactly that entry. The same parser
 runs longer under atheris: tests/fuzz/atheris_frames.py."""
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import tickets
-from kvstore.daemon.dataport import check_entries
+from kvstore.daemon.entries import check_entries
 from kvstore.extent import HEADER_SIZE
 from kvstore.transport.frames import ENTRY, MAGIC, MAX_ENTRIES, REQ_HEAD, VERSION, FrameError, Op, check_head
 
@@ -100,7 +100,7 @@ def test_a_signed_entry_is_accepted_and_any_change_refused():
 
 
 def test_a_remembered_ticket_still_expires_and_the_memory_is_bounded(monkeypatch):
-    from kvstore.daemon import dataport
+    from kvstore.daemon import entries
 
     k, seg, off, length, gen = b"c" * 16, 2, 8192, 4000, 5
     tag, expiry = tickets.TICKET.unpack(tickets.issue(KEY, tickets.READ, seg, off, length, gen, k, 10))
@@ -110,10 +110,10 @@ def test_a_remembered_ticket_still_expires_and_the_memory_is_bounded(monkeypatch
     assert len(verified) == 1
     assert parse(frame, KEY, verified) is not None  # remembered
     later = time.time() + 10 + tickets.SKEW_S + 5
-    monkeypatch.setattr(dataport.time, "time", lambda: later)
+    monkeypatch.setattr(entries.time, "time", lambda: later)
     assert parse(frame, KEY, verified) is None  # past its expiry, remembered or not
     monkeypatch.undo()
-    monkeypatch.setattr(dataport, "_VERIFIED_MAX", 4)
+    monkeypatch.setattr(entries, "_VERIFIED_MAX", 4)
     for g in range(10):
         t, e = tickets.TICKET.unpack(tickets.issue(KEY, tickets.READ, seg, off, length, g, k, 10))
         f = REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + ENTRY.pack(k, seg, e, off, length, 0, g, t)

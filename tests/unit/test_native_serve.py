@@ -18,7 +18,8 @@ import pytest
 
 from kvstore import tickets
 from kvstore.daemon.arena import ShmArena
-from kvstore.daemon.dataport import DataPort, check_entries
+from kvstore.daemon.dataport import DataPort
+from kvstore.daemon.entries import check_entries
 from kvstore.extent import HEADER_SIZE, Sealer, checksum, extent_size
 from kvstore.transport import native
 from kvstore.transport.frames import ENTRY, FrameError, Op
