@@ -188,10 +188,8 @@ class DataPort(ReadServing):
                 return
             while True:
                 taken: NextRead | None = getattr(self._local, "next", None)
-                if taken is not None:  # checked and begun while the last request was served
+                if taken is not None:  # checked, begun and counted active while the last was served
                     self._local.next = None
-                    with self._lock:
-                        self.active += 1
                     try:
                         self._read(conn, Op.READ, taken.req_id, taken.entries, taken.arenas, taken.flags, taken=taken)
                     finally:
@@ -244,6 +242,8 @@ class DataPort(ReadServing):
             if taken is not None:  # its reads write into this connection's staging slice
                 self._local.next = None
                 wait(taken.ahead.values())
+                with self._lock:
+                    self.active -= 1
             index = getattr(self._local, "slice", None)
             if index is not None and self.staging is not None:
                 self._local.slice = None

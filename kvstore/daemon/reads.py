@@ -115,6 +115,8 @@ class ReadServing:
         if not recv_exact(conn, memoryview(bytearray(size))):  # what was peeked: there, and taken
             return None
         self.counters["read_ahead_requests"] += 1
+        with self._lock:
+            self.active += 1  # being served from now (a drain waits for it), until its answer is sent
         return NextRead(req_id, flags, entries, arenas, ssd_idx, self._slots(entries, arenas, ssd_idx))
 
     def _read_next(self, conn: socket.socket, inflight: int) -> None:

@@ -109,6 +109,7 @@ def test_pipelined_staged_reads_are_taken_ahead_and_come_back_right(port: Port):
     assert port.port.counters["staged"] == 24
     # Twelve requests, two in flight at a time: most were begun while the one before was served.
     assert port.port.counters["read_ahead_requests"] >= 6, port.port.counters
+    assert port.port.active == 0
 
 
 @pytest.mark.parametrize("bad", ["ticket", "segment"])
@@ -169,3 +170,4 @@ def test_a_client_gone_with_a_request_taken_ahead_frees_the_slice(port: Port):
     assert index is not None
     port.staging.give(index)
     assert port.port.connections == 0
+    assert port.port.active == 0  # a request taken ahead counted as served until it ended
