@@ -26,10 +26,12 @@ Two policies, chosen by ``meta.cache_policy``:
   ``SHADOW_BLOCKS``, so each shadow holds about ``SHADOW_BLOCKS`` blocks) and count their prefix
   hits on those keys, decayed with a half-life of ``AGE_FACTOR`` x a shadow's size in sampled
   accesses (the window the counts age over). Frequency mode, which declines blocks, is entered
-  when its shadow earns ``MARGIN`` more than recency's and left when it earns less; either
-  switch also needs the difference to pass ``SIGNIFICANCE`` standard deviations of the
-  sampling noise (the conventional two-sided 95 % level), so that noise does not flip the mode
-  back and forth (every switch costs the blocks the other mode would have kept). Recency wins
+  when its shadow earns ``MARGIN`` more than recency's and left when recency's earns ``MARGIN``
+  more than its own (the same hysteresis both ways: a switch costs as much in either
+  direction); either switch also needs the difference to pass ``SIGNIFICANCE`` standard
+  deviations of the sampling noise (the conventional two-sided 95 % level), so that noise does
+  not flip the mode back and forth (every switch costs the blocks the other mode would have
+  kept). Recency wins
   on traffic whose reuse is recent (chat, document QA); frequency wins where most blocks are used
   once and a few prefixes are used by many (production conversation traces).
 
@@ -321,15 +323,16 @@ class AdaptivePolicy(LruPolicy):
         self._choose(self._hits_lfu, self._hits_lru)
 
     def _choose(self, lfu: float, lru: float) -> None:
-        """Switches mode only on evidence: frequency mode (which declines blocks) is entered
-        when its shadow earns MARGIN more than recency's, and either switch needs a difference
-        above SIGNIFICANCE standard deviations of the counting noise (hit counts of sampled
-        keys: about Poisson, so sqrt(lfu + lru) for their difference). A difference the noise
-        explains changes nothing: each switch costs the blocks the new mode would not have kept."""
+        """Switches mode only on evidence: into frequency mode (which declines blocks) when its
+        shadow earns MARGIN more than recency's, back when recency's earns MARGIN more than
+        frequency's, and either switch needs a difference above SIGNIFICANCE standard deviations
+        of the counting noise (hit counts of sampled keys: about Poisson, so sqrt(lfu + lru) for
+        their difference). A difference the noise or the margin explains changes nothing: each
+        switch costs the blocks the new mode would not have kept."""
         d = lfu - lru
         noise = SIGNIFICANCE * math.sqrt(lfu + lru)
         if self._mode:
-            mode = -d <= noise
+            mode = -d <= noise or lru <= lfu * (1 + MARGIN)  # stays unless recency clearly earns more
         else:
             mode = d > noise and lfu > lru * (1 + MARGIN)
         if mode != self._mode:

@@ -245,7 +245,13 @@ def test_the_mode_switches_only_on_a_difference_the_noise_does_not_explain():
     p._choose(10_050.0, 10_000.0)  # significant at this volume (2 * sqrt(20050) = 283)? no: 50 < 283
     assert not p.frequency_mode
     p._choose(11_000.0, 10_000.0)  # 1000 > 290 and 10 % > the 5 % margin
-    assert p.frequency_mode
+    assert p.frequency_mode and p.mode_switches == 3
+    # Back to recency takes the same margin: 400 more hits pass the noise (2 * sqrt(20400) =
+    # 286) but are 4 % of frequency's, under the margin: stays.
+    p._choose(10_000.0, 10_400.0)
+    assert p.frequency_mode and p.mode_switches == 3
+    p._choose(10_000.0, 10_600.0)  # 6 %, and 600 > 2 * sqrt(20600) = 287
+    assert not p.frequency_mode and p.mode_switches == 4
 
 
 @pytest.mark.parametrize("seed", [1, 2])
