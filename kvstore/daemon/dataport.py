@@ -193,6 +193,9 @@ class DataPort(ReadServing):
                     try:
                         self._read(conn, Op.READ, taken.req_id, taken.entries, taken.arenas, taken.flags, taken=taken)
                     finally:
+                        # Its reads write into this connection's staging slice: ended before the
+                        # slice can be given back, also when the request ended early.
+                        wait(taken.ahead.values())
                         with self._lock:
                             self.active -= 1
                     continue

@@ -94,7 +94,8 @@ class ReadServing:
         try:
             head = conn.recv(REQ_HEAD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             if len(head) < REQ_HEAD.size:
-                return None
+                return None  # not there yet: asked again at the next block
+            self._local.next_seen = True  # there: whatever it is, asked once per request
             op, req_id, count = check_head(head)
             flags = int.from_bytes(head[6:8], "little")
             if op != Op.READ or not flags & STAGED or flags & DIRECT or not 0 < count <= _NEXT_MAX_ENTRIES:
@@ -102,28 +103,34 @@ class ReadServing:
             size = REQ_HEAD.size + count * ENTRY.size
             frame = conn.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             if len(frame) < size:
+                self._local.next_seen = False  # the rest of it may come: asked again
                 return None
             entries = list(ENTRY.iter_unpack(memoryview(frame)[REQ_HEAD.size :]))
             arenas = self._check(entries, op, count=False)
-        except (OSError, FrameError):
+            ssd_idx = [
+                i for i, seg in enumerate(arenas) if isinstance(seg, SsdSegment) and seg.holds(*_ssd_ref(entries[i]))
+            ]
+            if not ssd_idx:
+                return None
+            # What was peeked is there: taken off the socket. (A connection that fails here
+            # fails the request being served, as its own send would.)
+            if not recv_exact(conn, memoryview(bytearray(size))):
+                return None
+        except (BlockingIOError, InterruptedError, FrameError):
             return None
-        ssd_idx = [
-            i for i, seg in enumerate(arenas) if isinstance(seg, SsdSegment) and seg.holds(*_ssd_ref(entries[i]))
-        ]
-        if not ssd_idx:
-            return None
-        if not recv_exact(conn, memoryview(bytearray(size))):  # what was peeked: there, and taken
-            return None
+        taken = NextRead(req_id, flags, entries, arenas, ssd_idx, self._slots(entries, arenas, ssd_idx))
         self.counters["read_ahead_requests"] += 1
         with self._lock:
             self.active += 1  # being served from now (a drain waits for it), until its answer is sent
-        return NextRead(req_id, flags, entries, arenas, ssd_idx, self._slots(entries, arenas, ssd_idx))
+        return taken
 
     def _read_next(self, conn: socket.socket, inflight: int) -> None:
         """Submits the next request's first staged reads (taking it first, see _take_next) while
         this request has fewer than READ_AHEAD of its own in flight and nothing left to submit."""
         taken = getattr(self._local, "next", None)
         if taken is None:
+            if getattr(self._local, "next_seen", False):
+                return  # looked at once for this request, and not one to take ahead
             taken = self._local.next = self._take_next(conn)
             if taken is None:
                 return
@@ -219,6 +226,7 @@ class ReadServing:
         # SSD blocks are read ahead on the I/O pool (direct reads, verified there) while earlier
         # ones are being sent: the disk and the socket work at the same time.
         ahead: dict[int, Future] = {}
+        self._local.next_seen = False  # the next request is yet to be looked at (_take_next)
         if taken is not None:  # begun while the request before it was served
             ssd_idx, slots, ahead = taken.ssd_idx, taken.slots, taken.ahead
         else:
@@ -268,15 +276,19 @@ class ReadServing:
                     status, payload = EntryStatus.MISMATCH, None
                 elif isinstance(seg, SsdSegment):
                     submit_upto(done_ssd + READ_AHEAD)
-                    fut = ahead.pop(i)
+                    # Left in ``ahead`` until it has ended: whatever raises meanwhile (a send to
+                    # a peer that went away), the finally below waits for it, and the staging
+                    # slice it writes into is not given to another connection before it ends.
+                    fut = ahead[i]
                     if next_ssd == len(ssd_idx) and slots:
                         # Nothing more of this request to read: the next one's reads start.
-                        self._read_next(conn, 1 + sum(not f.done() for f in ahead.values()))
+                        self._read_next(conn, sum(not f.done() for f in ahead.values()))
                     if out and not fut.done():
                         send_vec(conn, out)
                         out, out_bytes = [], 0
                         unsent.clear()
                     st, payload = fut.result()
+                    del ahead[i]
                     done_ssd += 1
                     status = EntryStatus.OK if st.ok else _READ_STATUS.get(st.reason, EntryStatus.MISMATCH)
                 else:

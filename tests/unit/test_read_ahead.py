@@ -2,12 +2,15 @@
 is still being served (kvstore.daemon.reads.NextRead). Real sockets, a real SSD segment on disk
 and a real staging region: pipelined staged reads come back right and are taken ahead; a next
 frame that must be refused is refused in its turn, after the whole answer before it, with its
-reason and counted once; a frame that is not a staged SSD read is not taken ahead; and a client
-that goes away with a request taken ahead leaves the staging slice free once its reads end."""
+reason and counted once; a frame that is not a staged SSD read is not taken ahead; half a next
+frame does not hold up the answer before it; and a client that resets the connection mid-answer
+gets its staging slice handed on only once no read still writes into it."""
 
 from __future__ import annotations
 
 import socket
+import struct
+import threading
 import time
 from types import SimpleNamespace
 
@@ -162,19 +165,59 @@ def test_only_staged_ssd_reads_are_taken_ahead(port: Port):
     assert port.port.counters["read_ahead_requests"] == 0
 
 
-def test_a_client_gone_with_a_request_taken_ahead_frees_the_slice(port: Port):
+def test_a_next_frame_half_arrived_does_not_hold_up_the_answer_before_it(port: Port):
+    first, second = _frame(1, port.items[:2]), _frame(2, port.items[2:4])
+    with socket.create_connection(("127.0.0.1", port.port.port), timeout=10) as s:
+        s.sendall(first + second[: len(second) // 2])
+        status, rid, _msg, _body = _answer(s, 2)  # answered whole without the rest of the next
+        assert (status, rid) == (FrameStatus.OK, 1)
+        s.sendall(second[len(second) // 2 :])
+        status, rid, _msg, body = _answer(s, 2)
+        assert (status, rid) == (FrameStatus.OK, 2)
+        region = _region(port)()
+        for j in range(2):
+            st, at = STAGED_AT.unpack_from(body, j * STAGED_AT.size)
+            assert st == EntryStatus.STAGED
+            assert np.array_equal(region.array[at : at + SIZE], port.data[2 + j])
+
+
+def test_a_client_gone_mid_answer_frees_the_slice_only_once_its_reads_end(port: Port, monkeypatch):
+    """Slow disk reads, and clients that reset the connection mid-answer (the daemon's send
+    fails) with requests in flight and one taken ahead: the staging slice goes back (to be
+    another connection's) only when no read is still writing into it."""
+    lock, running, at_give = threading.Lock(), [0], []
+    read = port.ssd.read
+
+    def slow_read(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        with lock:
+            running[0] += 1
+        try:
+            time.sleep(0.02)
+            return read(*a, **k)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    give = port.staging.give
+
+    def giving(index: int) -> None:
+        with lock:
+            at_give.append(running[0])
+        give(index)
+
+    monkeypatch.setattr(port.ssd, "read", slow_read)
+    monkeypatch.setattr(port.staging, "give", giving)
     frames = b"".join(_frame(k + 1, port.items[2 * k : 2 * k + 2]) for k in range(6))
-    for _ in range(5):
+    for n in range(32):
         s = socket.create_connection(("127.0.0.1", port.port.port), timeout=10)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.sendall(frames)
-        _answer(s, 2)
-        s.close()  # gone, with requests in flight and maybe one taken ahead
-    deadline = time.monotonic() + 10
-    index = None
-    while index is None and time.monotonic() < deadline:  # the one slice is free again
-        index = port.staging.take()
-        time.sleep(0.01)
-    assert index is not None
-    port.staging.give(index)
+        if n % 2:
+            _answer(s, 2)
+        time.sleep(0.003 * (n // 2))  # the reset comes at another point of the answers each time
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # reset: the daemon's next send fails
+        _settles(lambda n=n: len(at_give) == n + 1)
+    assert at_give == [0] * 32, at_give
     _settles(lambda: port.port.connections == 0)
     _settles(lambda: port.port.active == 0)  # a request taken ahead counted as served until it ended
