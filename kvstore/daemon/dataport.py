@@ -25,7 +25,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -193,11 +193,7 @@ class DataPort(ReadServing):
                     try:
                         self._read(conn, Op.READ, taken.req_id, taken.entries, taken.arenas, taken.flags, taken=taken)
                     finally:
-                        # Its reads write into this connection's staging slice: ended before the
-                        # slice can be given back, also when the request ended early.
-                        wait(taken.ahead.values())
-                        with self._lock:
-                            self.active -= 1
+                        self._end_taken(taken)  # also when the request ended early
                     continue
                 if not (first or recv_exact(conn, memoryview(head))):
                     break
@@ -242,11 +238,9 @@ class DataPort(ReadServing):
                 self._conns.discard(conn)
             conn.close()
             taken = getattr(self._local, "next", None)
-            if taken is not None:  # its reads write into this connection's staging slice
+            if taken is not None:  # taken ahead, never served
                 self._local.next = None
-                wait(taken.ahead.values())
-                with self._lock:
-                    self.active -= 1
+                self._end_taken(taken)
             index = getattr(self._local, "slice", None)
             if index is not None and self.staging is not None:
                 self._local.slice = None

@@ -140,10 +140,22 @@ class ReadServing:
             staging = taken.slots.get(i)
             if staging is None:  # past what was staged: read in its turn, into the ring
                 break
-            key, _s, _e, off, length, _c, gen, _t = taken.entries[i]
-            taken.ahead[i] = self._io.submit(taken.arenas[i].read, off, key, length, None, staging, gen)
+            taken.ahead[i] = self._submit_read(taken.entries[i], taken.arenas[i], staging)
             taken.submitted += 1
             budget -= 1
+
+    def _submit_read(self, entry: tuple, ssd: SsdSegment, into: np.ndarray) -> Future:
+        """One SSD block's direct read (verified there) on the I/O threads, into ``into``."""
+        key, _s, _e, off, length, _c, gen, _t = entry
+        return self._io.submit(ssd.read, off, key, length, None, into, gen)
+
+    def _end_taken(self, taken: NextRead) -> None:
+        """A request taken ahead is over (answered, or its connection ended): its reads, which
+        write into this connection's staging slice, have ended before the slice can be given
+        back, and it no longer counts as active."""
+        wait(taken.ahead.values())
+        with self._lock:
+            self.active -= 1
 
     def _native_plan(self, conn: socket.socket, op: int, raw: bytes) -> tuple[list[int], list] | None:
         """The DRAM segments a READ frame is served from natively (kvstore/transport/serve.c),
@@ -256,7 +268,6 @@ class ReadServing:
             nonlocal next_ssd, out, out_bytes
             while next_ssd < len(ssd_idx) and next_ssd < limit:
                 i = ssd_idx[next_ssd]
-                key, _s, _e, off, length, _c, gen, _t = entries[i]
                 staging = slots.get(i)
                 if staging is None:
                     slot = next_ssd % len(ring)
@@ -266,7 +277,7 @@ class ReadServing:
                         unsent.clear()
                     staging = ring[slot]
                     in_ring[i] = slot
-                ahead[i] = self._io.submit(arenas[i].read, off, key, length, None, staging, gen)
+                ahead[i] = self._submit_read(entries[i], arenas[i], staging)
                 next_ssd += 1
 
         done_ssd = 0

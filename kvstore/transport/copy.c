@@ -56,18 +56,18 @@ static void put_le64(uint8_t *p, uint64_t v) {
  * for 4 KiB chunks. A block no larger than a chunk is copied whole and checksummed in one call. */
 #define CHUNK_MIN 4096
 #define CHUNK_MAX 16384
-static uint64_t chunk; /* set once, when the module loads */
+static uint64_t chunk_size; /* set once, when the module loads */
 static uint64_t chunk_bytes(void) {
-    if (chunk == 0) {
+    if (chunk_size == 0) {
         uint64_t c = CHUNK_MIN;
 #ifdef _SC_LEVEL1_DCACHE_SIZE
         long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
         if (l1 > 0) c = (uint64_t)l1 / 4;
 #endif
         c &= ~(uint64_t)4095; /* whole pages, a multiple of xxh3's 64-byte stripes */
-        chunk = c < CHUNK_MIN ? CHUNK_MIN : c > CHUNK_MAX ? CHUNK_MAX : c;
+        chunk_size = c < CHUNK_MIN ? CHUNK_MIN : c > CHUNK_MAX ? CHUNK_MAX : c;
     }
-    return chunk;
+    return chunk_size;
 }
 
 static uint64_t copy_hash(uint8_t *dst, const uint8_t *src, uint64_t len, XXH3_state_t *state) {

@@ -81,6 +81,15 @@ def _region(p: Port):  # noqa: ANN202 - the client's mapping of the staging regi
     return lambda *_a: SimpleNamespace(array=arena.array, size=arena.size)
 
 
+def _assert_staged(port: Port, body: bytes, want: list) -> None:
+    """Every entry of an answer's per-entry part came staged, with the bytes ``want`` says."""
+    region = _region(port)()
+    for j, data in enumerate(want):
+        st, at = STAGED_AT.unpack_from(body, j * STAGED_AT.size)
+        assert st == EntryStatus.STAGED
+        assert np.array_equal(region.array[at : at + SIZE], data)
+
+
 def _settles(cond) -> None:  # noqa: ANN001
     deadline = time.monotonic() + 10
     while not cond() and time.monotonic() < deadline:
@@ -135,11 +144,7 @@ def test_a_next_frame_to_refuse_is_refused_in_its_turn_and_counted_once(port: Po
         s.sendall(good + worse)
         status, rid, msg, body = _answer(s, 2)
         assert (status, rid) == (FrameStatus.OK, 1)
-        region = _region(port)()
-        for j in range(2):
-            st, at = STAGED_AT.unpack_from(body, j * STAGED_AT.size)
-            assert st == EntryStatus.STAGED
-            assert np.array_equal(region.array[at : at + SIZE], port.data[j])
+        _assert_staged(port, body, port.data[:2])
         status, rid, msg, _ = _answer(s, 2)
         assert (status, rid) == (FrameStatus.BAD_FRAME, 2)
         assert (b"ticket" if bad == "ticket" else b"unknown segment") in msg
@@ -174,11 +179,7 @@ def test_a_next_frame_half_arrived_does_not_hold_up_the_answer_before_it(port: P
         s.sendall(second[len(second) // 2 :])
         status, rid, _msg, body = _answer(s, 2)
         assert (status, rid) == (FrameStatus.OK, 2)
-        region = _region(port)()
-        for j in range(2):
-            st, at = STAGED_AT.unpack_from(body, j * STAGED_AT.size)
-            assert st == EntryStatus.STAGED
-            assert np.array_equal(region.array[at : at + SIZE], port.data[2 + j])
+        _assert_staged(port, body, port.data[2:4])
 
 
 def test_a_client_gone_mid_answer_frees_the_slice_only_once_its_reads_end(port: Port, monkeypatch):
