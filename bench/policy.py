@@ -683,6 +683,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _share(x: float) -> str:
+    return "<1%" if 0 < x < 0.005 else f"{x:.0%}"
+
+
 def notes(result: dict) -> list[str]:
     """Statements the numbers support, for the report."""
     out = []
@@ -695,12 +699,24 @@ def notes(result: dict) -> list[str]:
                 f" {w['bound_hit_rate']:.3f} (only first uses miss)."
             )
     for name, w in result["workloads"].items():
+        parts = []
+        for r in w["rows"]:
+            pol = r["kvstore_policy"]
+            keys = {m: pol.get(f"policy_{m}_keys", 0) for m in ("recency", "balanced", "frequency")}
+            total = sum(keys.values())
+            if total:
+                share = ", ".join(f"{m} {_share(n / total)}" for m, n in keys.items() if n)
+                n_sw = pol.get("policy_mode_switches", 0)
+                parts.append(f"{r['capacity']:,}: {share} ({n_sw} switch{'' if n_sw == 1 else 'es'})")
+        if parts:
+            out.append(f"{name}: the adaptive policy's modes, as shares of the keys read: " + "; ".join(parts) + ".")
+    for name, w in result["workloads"].items():
         for r in w["rows"]:
             if r.get("kvstore_not_admitted"):
                 pol = r["kvstore_policy"]
                 out.append(
                     f"{name} {r['capacity']:,}: the adaptive policy switched mode {pol.get('policy_mode_switches', 0)}"
-                    f" times and declined {r['kvstore_not_admitted']:,} blocks; it stored {r['inserted']['kvstore']:,}"
+                    f" time(s) and declined {r['kvstore_not_admitted']:,} blocks; it stored {r['inserted']['kvstore']:,}"
                     f" blocks where LRU stored {r['inserted']['lru']:,} and MIN {r['inserted']['optimal']:,}."
                 )
                 break

@@ -372,6 +372,7 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         used bytes equal its replicas' extents (plus freed-but-leased ones), LRU holds exactly
         the evictable replicas, a complete entry has a ready replica."""
         self.engine_tier.check_integrity()
+        self.policy.check_integrity()
         per_seg: dict[int, int] = {}
         blocks: dict[int, int] = {}
         pinned: dict[int, int] = {}

@@ -6,74 +6,79 @@ Two policies, chosen by ``meta.cache_policy``:
 - ``lru``: every stored block is kept until it is the least recently used; a request touches
   its chain tail first, so a chain's tail leaves before its head (a block is worthless without
   its predecessors). What vLLM's prefix cache does.
-- ``adaptive`` (the default): the same recency order, plus a per-block access count, and a
-  choice, made continuously from what the traffic rewards, between two ways of using them:
+- ``adaptive`` (the default): the same recency order, plus a per-block access count and a
+  "seen again" mark, and a choice, made continuously from what the traffic rewards, among three
+  ways of using them:
 
   * *recency mode*: as ``lru``;
+  * *balanced mode*: ARC (Megiddo and Modha, FAST 2003) over the index's blocks: a block seen
+    once (ARC's T1) and a block read again while stored or stored again while remembered as a
+    ghost (T2) are kept in one recency order; the victim is the least recent block of T1 while T1 holds
+    more than the target ``p``, else the least recent of T2; evicted blocks are remembered as
+    ghosts (at most as many as the blocks indexed), and a request for a ghost of T1 raises
+    ``p`` (recency would have kept it), one for a ghost of T2 lowers it. Every block is
+    admitted. One recency order serves both lists, so T2's blocks that the search for T1's
+    victim passes go back to T1 at its most recent end (see :meth:`AdaptivePolicy._replace`):
+    a block read again gets another pass where recency would drop it, and is kept over newer
+    blocks seen once while T1 is over its target, but a T2 older than all of T1 is not held
+    as ARC would hold it (a hot set under a stream of blocks used once is the frequency mode's).
   * *frequency mode*: the victim is the least-counted of the ``SAMPLE`` least recent evictable
     blocks (sampled LFU, as Redis' LFU and hyperbolic caching evict), and a new block is stored
     only if its count is above that victim's (TinyLFU-style admission): a request's one-time
     tail cannot flush a prefix that many requests share.
 
-  Counts are kept for stored blocks and, in a bounded FIFO history, for blocks seen but not
-  stored (``HISTORY_FACTOR`` x the blocks indexed), so that a block seen again soon earns its
-  place. They halve every ``AGE_FACTOR`` x the blocks indexed accesses (TinyLFU's reset period
-  of 10 x the cache size), lazily, by an epoch stamp, so aging costs nothing up front.
+  Counts, marks, ghosts and ``p`` are kept in every mode, so a switch starts from what the
+  traffic has shown. Counts are kept for stored blocks and, in a bounded FIFO history, for
+  blocks seen but not stored (``HISTORY_FACTOR`` x the blocks indexed), so that a block seen
+  again soon earns its place. They halve every ``AGE_FACTOR`` x the blocks indexed accesses
+  (TinyLFU's reset period of 10 x the cache size), lazily, by an epoch stamp, so aging costs
+  nothing up front.
 
-  The mode is chosen by *dueling* (Qureshi et al., ISCA 2007; the regret idea of LeCaR,
-  Vietri et al., HotStorage 2018): two shadow caches, one per mode, replay a hash-sampled 1 in S
-  of the keys (spatial sampling as in SHARDS, Waldspurger et al., FAST 2015; S = blocks indexed /
-  ``SHADOW_BLOCKS``, so each shadow holds about ``SHADOW_BLOCKS`` blocks) and count their prefix
-  hits on those keys, decayed with a half-life of ``AGE_FACTOR`` x a shadow's size in sampled
-  accesses (the window the counts age over). Frequency mode, which declines blocks, is entered
-  when its shadow earns ``MARGIN`` more than recency's and left when recency's earns ``MARGIN``
-  more than its own (the same hysteresis both ways: a switch costs as much in either
-  direction); either switch also needs the difference to pass ``SIGNIFICANCE`` standard
-  deviations of the sampling noise (the conventional two-sided 95 % level), so that noise does
-  not flip the mode back and forth (every switch costs the blocks the other mode would have
-  kept). Recency wins
-  on traffic whose reuse is recent (chat, document QA); frequency wins where most blocks are used
-  once and a few prefixes are used by many (production conversation traces).
+  The mode is chosen by dueling shadow caches (:mod:`kvstore.meta.duel`): each mode in
+  miniature replays a hash-sampled part of the keys, and the policy moves to the mode whose
+  shadow earns clearly more prefix hits than the current one's (a paired significance test over
+  requests, plus a margin for switches into or out of frequency mode). It starts in recency
+  mode and switches freely until the first eviction. Recency wins on traffic whose reuse is recent (chat,
+  document QA); frequency where most blocks are used once and a few prefixes are used by many
+  (production conversation traces at a small capacity); balanced in between (the same traces
+  at a larger one).
 
-Chain order in both modes: a request's blocks are touched tail first, so among equal counts the
-tail is older; a descendant is never counted more than its ancestors (every request that reads
-it reads them), so the frequency mode also takes a chain's tail before its head. Admission goes
-in chain order too: once a block of a put is declined, the rest of that put is.
+Chain order in every mode: a request's blocks are touched tail first, so among equal counts or
+marks the tail is older; a descendant is never counted more than its ancestors (every request
+that reads it reads them), nor seen again without them, so the frequency and balanced modes
+also take a chain's tail before its head. Admission goes in chain order too: once a block of a
+put is declined, the rest of that put is.
 
 Costs: O(1) per touched block (dictionary operations and counter arithmetic), O(``SAMPLE``) per
-eviction in frequency mode. Parameters come from the papers named above, not from fitting a
-workload: 10 % / 10 x periods (TinyLFU), 64 samples (hyperbolic caching), shadow caches of a few
-hundred blocks (set dueling uses 32 sets of a few thousand lines), and switches at the 95 %
-significance level.
+eviction in the frequency mode, O(1) amortized per eviction in the balanced mode. Parameters
+come from the papers named above, not from fitting a workload: 10 % / 10 x periods (TinyLFU), 64
+samples (hyperbolic caching), ARC's own adaptation of ``p`` (no parameter), shadow caches of
+about 2,000 sampled blocks (set dueling uses 32 sets of a few thousand lines), and switches at
+the 95 % significance level.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
+
+from kvstore.meta.duel import AGE_FACTOR, BALANCED, FREQUENCY, HISTORY_FACTOR, MAX_COUNT, MODES, RECENCY, SAMPLE, Duel
 
 if TYPE_CHECKING:
     from kvstore.meta.records import Entry, Replica
 
 POLICIES = ("adaptive", "lru")
-SAMPLE = 64
-AGE_FACTOR = 10
-HISTORY_FACTOR = AGE_FACTOR
 HISTORY_MAX = 1 << 20
 MIN_POPULATION = 1024
-SHADOW_BLOCKS = 2048
-MIN_SHADOW = 64
-MARGIN = 0.05
-SIGNIFICANCE = 2.0  # standard deviations (the two-sided 95 % level)
-MAX_COUNT = 255
 PENDING_MAX = 1 << 16  # queued accesses (keys) that force a drain
-_EPOCH_SHIFT = 8
+# A stored block's policy word (Entry.freq): epoch << 9 | seen-again mark << 8 | count.
+_SEEN_AGAIN = 1 << 8
+_EPOCH_SHIFT = 9
 
 
 def _count(packed: int, epoch: int) -> int:
-    """A count stored as ``epoch << 8 | count``, aged to ``epoch`` (halved once per epoch)."""
+    """A count stored as ``epoch << 9 | ... | count``, aged to ``epoch`` (halved once per epoch)."""
     return (packed & MAX_COUNT) >> min(8, epoch - (packed >> _EPOCH_SHIFT))
 
 
@@ -82,98 +87,10 @@ def _stored(e: Entry, epoch: int) -> int:
     return max(1, _count(e.freq, epoch))
 
 
-def _sample_of(key: bytes, s: int) -> bool:
-    return s == 1 or int.from_bytes(key[-4:], "little") % s == 0
-
-
-def _leading(keys: Sequence[bytes], d: dict) -> int:
-    """The leading run of ``keys`` held in ``d``: a shadow's prefix hits (on sampled keys,
-    an estimate of the prefix hits of the keys between them)."""
-    n = 0
-    for k in keys:
-        if k not in d:
-            break
-        n += 1
-    return n
-
-
-class _ShadowLru:
-    """Tail-first block LRU over sampled keys: the recency mode in miniature."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.d: OrderedDict[bytes, None] = OrderedDict()
-
-    def access(self, keys: Sequence[bytes]) -> int:
-        d = self.d
-        hits = _leading(keys, d)
-        for k in keys:
-            if k not in d:
-                d[k] = None
-                while len(d) > self.capacity:
-                    d.popitem(last=False)
-        for k in reversed(keys):
-            if k in d:
-                d.move_to_end(k)
-        return hits
-
-
-class _ShadowLfu:
-    """Counted blocks with admission over sampled keys: the frequency mode in miniature (its
-    own counts, aged every AGE_FACTOR x its size, history HISTORY_FACTOR x its size)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.d: OrderedDict[bytes, None] = OrderedDict()  # recency order, tail first
-        self.counts: dict[bytes, int] = {}
-        self.history: OrderedDict[bytes, int] = OrderedDict()
-        self.n = 0
-        # The victim while neither the order nor a count changed: a run of declined blocks
-        # (a cold scan) costs one sample, not one per block.
-        self._vic: bytes | None = None
-
-    def access(self, keys: Sequence[bytes]) -> int:
-        d, counts = self.d, self.counts
-        hits = _leading(keys, d)
-        for k in reversed(keys):
-            if k in d:
-                counts[k] = min(MAX_COUNT, counts[k] + 1)
-                d.move_to_end(k)
-                self._vic = None
-                continue
-            c = self.history.pop(k, 0) + 1
-            while len(d) > self.capacity - 1:
-                victim = self._victim()
-                if c <= counts[victim] and len(d) == self.capacity:
-                    break
-                del d[victim]
-                self._vic = None
-                self._remember(victim, counts.pop(victim))
-            if len(d) >= self.capacity:
-                self._remember(k, c)  # not admitted
-                continue
-            d[k] = None
-            counts[k] = c
-            self._vic = None
-        self.n += len(keys)
-        if self.n >= AGE_FACTOR * self.capacity:
-            self.n = 0
-            for k in counts:
-                counts[k] >>= 1
-            self._vic = None
-            self.history = OrderedDict((k, c >> 1) for k, c in self.history.items() if c > 1)
-        return hits
-
-    def _victim(self) -> bytes:
-        """The first of the least counted among the SAMPLE least recent."""
-        if self._vic is None:
-            self._vic = min((v for _, v in zip(range(SAMPLE), self.d)), key=self.counts.__getitem__)
-        return self._vic
-
-    def _remember(self, key: bytes, c: int) -> None:
-        self.history[key] = c
-        while len(self.history) > HISTORY_FACTOR * self.capacity:
-            self.history.popitem(last=False)
+def seen_again(e: Entry) -> bool:
+    """Whether ``e`` is in the balanced mode's T2: read while stored, or stored again while
+    remembered as a ghost (and not passed over since by a search for T1's victim)."""
+    return bool(e.freq & _SEEN_AGAIN)
 
 
 class LruPolicy:
@@ -227,6 +144,9 @@ class LruPolicy:
     def stats(self) -> dict[str, int]:
         return {}
 
+    def check_integrity(self) -> None:
+        """Asserts the policy's own accounting against the index's entries."""
+
 
 class AdaptivePolicy(LruPolicy):
     """``adaptive``: see the module docstring."""
@@ -238,9 +158,13 @@ class AdaptivePolicy(LruPolicy):
         self.epoch = 0
         self._n = 0
         self.history: OrderedDict[bytes, int] = OrderedDict()
-        self._reset_shadows(1)
-        self.mode_switches = 0
-        self._mode = False
+        self.duel = Duel()
+        # The balanced mode's state (ARC over the index): T1's target size, how many blocks
+        # are seen again (T2; the others are T1), and the ghosts (key -> was in T2).
+        self.p = 0.0
+        self.seen_again = 0
+        self.ghosts: OrderedDict[bytes, bool] = OrderedDict()
+        self._ghosts_seen_again = 0
         # With ``defer`` (the service sets it), accesses are queued and accounted at the next
         # drain(): the service drains right after answering, so a read's accounting is off its
         # critical path. Every other method drains first, and the index tells the policy of a
@@ -250,18 +174,17 @@ class AdaptivePolicy(LruPolicy):
         self._pending: list[Sequence[bytes]] = []
         self._pending_keys = 0
 
-    def _reset_shadows(self, s: int) -> None:
-        # Keys are sampled 1 in s (s = blocks indexed / SHADOW_BLOCKS, changed when that
-        # doubles or halves, and the shadows start over); each shadow holds what 1 in s of
-        # the index holds, following its size.
-        self._s = s
-        self._lru = _ShadowLru(MIN_SHADOW)
-        self._lfu = _ShadowLfu(MIN_SHADOW)
-        self._hits_lru = self._hits_lfu = 0.0
+    @property
+    def mode(self) -> str:
+        return MODES[self.duel.mode]  # as of the last drain
 
     @property
     def frequency_mode(self) -> bool:
-        return self._mode  # as of the last drain
+        return self.duel.mode == FREQUENCY
+
+    @property
+    def mode_switches(self) -> int:
+        return self.duel.switches
 
     def _population(self) -> int:
         return max(MIN_POPULATION, len(self.entries))
@@ -290,13 +213,23 @@ class AdaptivePolicy(LruPolicy):
         epoch = self.epoch
         stamp = epoch << _EPOCH_SHIFT
         hist = self.history
+        ghosts = self.ghosts
         for k in keys:
             e = get(k)
             if e is not None:
-                e.freq = stamp | min(MAX_COUNT, _count(e.freq, epoch) + 1)
+                if not e.freq & _SEEN_AGAIN:
+                    self.seen_again += 1
+                e.freq = stamp | _SEEN_AGAIN | min(MAX_COUNT, _count(e.freq, epoch) + 1)
             else:
+                # A history word carries the mark for a ghost asked for again: stored again, the
+                # block goes to T2, as in ARC.
                 old = hist.pop(k, None)
-                hist[k] = stamp | min(MAX_COUNT, (_count(old, epoch) if old is not None else 0) + 1)
+                c = min(MAX_COUNT, (_count(old, epoch) if old is not None else 0) + 1)
+                again = old is not None and old & _SEEN_AGAIN
+                if k in ghosts:
+                    self._ghost_hit(k)
+                    again = True
+                hist[k] = stamp | (_SEEN_AGAIN if again else 0) | c
         limit = self._history_limit()
         while len(hist) > limit:
             hist.popitem(last=False)
@@ -304,54 +237,51 @@ class AdaptivePolicy(LruPolicy):
         if self._n >= AGE_FACTOR * self._population():
             self._n = 0
             self.epoch += 1
-        self._duel(keys)
+        self.duel.observe(keys, len(self.entries))
 
-    def _duel(self, keys: Sequence[bytes]) -> None:
-        n = len(self.entries)
-        want = max(1, n // SHADOW_BLOCKS)
-        if want >= 2 * self._s or 2 * want <= self._s:
-            self._reset_shadows(want)
-        s = self._s
-        size = max(MIN_SHADOW, n // s)
-        self._lru.capacity = self._lfu.capacity = size
-        sampled = [k for k in keys if _sample_of(k, s)]
-        if not sampled:
-            return
-        decay = 0.5 ** (len(sampled) / (AGE_FACTOR * size))
-        self._hits_lfu = self._hits_lfu * decay + self._lfu.access(sampled)
-        self._hits_lru = self._hits_lru * decay + self._lru.access(sampled)
-        self._choose(self._hits_lfu, self._hits_lru)
-
-    def _choose(self, lfu: float, lru: float) -> None:
-        """Switches mode only on evidence: into frequency mode (which declines blocks) when its
-        shadow earns MARGIN more than recency's, back when recency's earns MARGIN more than
-        frequency's, and either switch needs a difference above SIGNIFICANCE standard deviations
-        of the counting noise (hit counts of sampled keys: about Poisson, so sqrt(lfu + lru) for
-        their difference). A difference the noise or the margin explains changes nothing: each
-        switch costs the blocks the new mode would not have kept."""
-        d = lfu - lru
-        noise = SIGNIFICANCE * math.sqrt(lfu + lru)
-        if self._mode:
-            mode = -d <= noise or lru <= lfu * (1 + MARGIN)  # stays unless recency clearly earns more
+    def _ghost_hit(self, key: bytes) -> None:
+        """ARC's adaptation: a block asked for again after it left T1 says T1 should be larger,
+        one that left T2 says T2 should; the step is the other ghost list's size over this one's
+        (at least 1)."""
+        b2 = self._ghosts_seen_again
+        b1 = len(self.ghosts) - b2
+        if self.ghosts.pop(key):
+            self.p = max(0.0, self.p - max(b1 / b2, 1.0))
+            self._ghosts_seen_again -= 1
         else:
-            mode = d > noise and lfu > lru * (1 + MARGIN)
-        if mode != self._mode:
-            self._mode = mode
-            self.mode_switches += 1
+            self.p = min(float(self._population()), self.p + max(b2 / b1, 1.0))
 
     def created(self, e: Entry) -> None:
         self.drain()
+        epoch = self.epoch
         old = self.history.pop(e.key, None)
-        if old is not None:
-            e.freq = (self.epoch << _EPOCH_SHIFT) | _count(old, self.epoch)
+        c = _count(old, epoch) if old is not None else 0
+        again = old is not None and bool(old & _SEEN_AGAIN)
+        if e.key in self.ghosts:  # stored again without a read first (a put of a block it evicted)
+            self._ghost_hit(e.key)
+            again = True
+        if again:
+            self.seen_again += 1
+            e.freq = (epoch << _EPOCH_SHIFT) | _SEEN_AGAIN | c
+        else:
+            e.freq = (epoch << _EPOCH_SHIFT) | c
 
     def removed(self, e: Entry) -> None:
         self.drain()
+        again = bool(e.freq & _SEEN_AGAIN)
+        self.seen_again -= again
         c = _count(e.freq, self.epoch)
         if c:
             self.history[e.key] = (self.epoch << _EPOCH_SHIFT) | c
             if len(self.history) > self._history_limit():
                 self.history.popitem(last=False)
+        ghosts = self.ghosts
+        if e.key in ghosts:
+            self._ghosts_seen_again -= ghosts.pop(e.key)
+        ghosts[e.key] = again
+        self._ghosts_seen_again += again
+        while len(ghosts) > max(MIN_POPULATION, len(self.entries) - 1):  # as many as stay indexed
+            self._ghosts_seen_again -= ghosts.popitem(last=False)[1]
 
     def count(self, key: bytes) -> int:
         self.drain()
@@ -361,10 +291,19 @@ class AdaptivePolicy(LruPolicy):
         old = self.history.get(key)
         return _count(old, self.epoch) if old is not None else 0
 
+    def _evict_seen_again(self) -> bool:
+        """The balanced mode's REPLACE: whether the victim should come from T2 (T1 is within its
+        target ``p``, or empty)."""
+        t1 = len(self.entries) - self.seen_again
+        return t1 <= 0 or t1 <= self.p
+
     def pick(self, candidates: Iterator[Replica]) -> Replica | None:
         self.drain()
-        if not self._mode:
+        self.duel.free = False
+        if self.duel.mode == RECENCY:
             return next(candidates, None)
+        if self.duel.mode == BALANCED:
+            return self._replace(candidates)
         best = None
         best_c = MAX_COUNT + 1
         epoch = self.epoch
@@ -374,17 +313,47 @@ class AdaptivePolicy(LruPolicy):
                 best, best_c = rep, c
         return best
 
+    def _replace(self, candidates: Iterator[Replica]) -> Replica | None:
+        """The balanced mode's victim: the least recent block of T1 while T1 is over its target
+        (else of T2), found in the one recency order of the candidates.
+
+        T2's blocks that the search for T1's passes over go back to T1, at its most recent end,
+        least recent first (as a segmented LRU's protected segment overflows into its
+        probationary one): they would otherwise gather where the search starts, and every
+        search would pass them again. So the search costs O(1) amortized: a block is passed
+        over once per mark, and a mark is set by an access. The search for T2's block, which
+        moves nothing, looks at SAMPLE blocks at most, then takes the least recent of all.
+        """
+        from_t2 = self._evict_seen_again()
+        first = None
+        passed: list[Replica] = []
+        victim = None
+        for rep in candidates if not from_t2 else (r for _, r in zip(range(SAMPLE), candidates)):
+            if bool(rep.entry.freq & _SEEN_AGAIN) == from_t2:
+                victim = rep
+                break
+            first = first or rep
+            if not from_t2:
+                passed.append(rep)
+        for rep in passed:
+            e = rep.entry
+            e.freq &= ~_SEEN_AGAIN
+            self.seen_again -= 1
+            rep.segment.lru.move_to_end(e.key)
+        return victim or first
+
     def admits(self, key: bytes, victim: Replica) -> bool:
         self.drain()
-        if not self._mode:
+        if self.duel.mode != FREQUENCY:
             return True
         return self.count(key) > _stored(victim.entry, self.epoch)
 
     def demotion_order(self, candidates: Iterable[Replica], want: int) -> list[Replica]:
         self.drain()
-        if not self._mode:
+        if self.duel.mode == RECENCY:
             return super().demotion_order(candidates, want)
-        # Least counted first among the least recent (at least SAMPLE of them), ties oldest first.
+        # Among the least recent (at least SAMPLE of them): least counted first (frequency), or
+        # the list REPLACE would take from first (balanced); ties oldest first.
         pool: list[Replica] = []
         acc = 0
         for rep in candidates:
@@ -392,16 +361,32 @@ class AdaptivePolicy(LruPolicy):
                 break
             pool.append(rep)
             acc += rep.size
-        epoch = self.epoch
-        pool.sort(key=lambda r: _stored(r.entry, epoch))  # stable: recency breaks ties
+        if self.duel.mode == BALANCED:
+            other = 0 if self._evict_seen_again() else _SEEN_AGAIN
+            pool.sort(key=lambda r: r.entry.freq & _SEEN_AGAIN == other)  # stable: recency breaks ties
+        else:
+            epoch = self.epoch
+            pool.sort(key=lambda r: _stored(r.entry, epoch))
         return super().demotion_order(pool, want)
+
+    def check_integrity(self) -> None:
+        self.drain()
+        marked = sum(1 for e in self.entries.values() if e.freq & _SEEN_AGAIN)
+        assert self.seen_again == marked, f"seen-again count {self.seen_again} != {marked} marked blocks"
+        assert self.p >= 0.0, f"ARC target {self.p} below 0"
+        assert len(self.ghosts) <= self._population(), f"{len(self.ghosts)} ghosts over {self._population()}"
+        assert self._ghosts_seen_again == sum(self.ghosts.values()), "ghost list sizes"
+        assert not any(k in self.entries for k in self.ghosts), "a stored block is also a ghost"
 
     def stats(self) -> dict[str, int]:
         # Read-only, without a drain: the metrics thread calls it while the service runs.
         return {
-            "policy_frequency_mode": int(self._mode),
+            "policy_mode": self.duel.mode,
+            "policy_frequency_mode": int(self.duel.mode == FREQUENCY),
             "policy_mode_switches": self.mode_switches,
+            **{f"policy_{m}_keys": n for m, n in zip(MODES, self.duel.keys_in)},
             "policy_history": len(self.history),
+            "policy_ghosts": len(self.ghosts),
             "policy_epoch": self.epoch,
         }
 
