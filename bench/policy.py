@@ -702,7 +702,7 @@ def notes(result: dict) -> list[str]:
         parts = []
         for r in w["rows"]:
             pol = r["kvstore_policy"]
-            keys = {m: pol.get(f"policy_{m}_keys", 0) for m in ("recency", "balanced", "frequency")}
+            keys = {m: pol.get(f"policy_{m}_keys", 0) for m in ("recency", "frequency")}
             total = sum(keys.values())
             if total:
                 share = ", ".join(f"{m} {_share(n / total)}" for m, n in keys.items() if n)

@@ -40,9 +40,8 @@ class MetaConfig:
     dram_high_watermark: float = 0.9
     dram_low_watermark: float = 0.8
     tier_interval_s: float = 0.05
-    # Eviction, demotion order and admission: "adaptive" (recency, balanced (ARC) or frequency,
-    # whichever the traffic rewards, see kvstore.meta.policy) or "lru" (recency only, every
-    # block stored).
+    # Eviction, demotion order and admission: "adaptive" (recency or frequency, whichever the
+    # traffic rewards, see kvstore.meta.policy) or "lru" (recency only, every block stored).
     cache_policy: str = "adaptive"
     # The device tier (kvstore.meta.engines): an engine's reported holdings lapse this long after
     # its last report unless it names another time to live; at most this many engines.

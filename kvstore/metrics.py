@@ -214,7 +214,7 @@ class MetaCollector:
         )
         yield GaugeMetricFamily(
             "kvstore_meta_policy_mode",
-            f"The {idx.policy.name} cache policy's mode: 0 recency, 1 balanced (ARC), 2 frequency",
+            f"The {idx.policy.name} cache policy's mode: 0 recency, 1 frequency",
             value=pol.get("policy_mode", 0),
         )
         yield _counter(

@@ -1,7 +1,6 @@
 """The index's cache policy (kvstore.meta.policy) driven through the real Index: the invariants
-of every mode (never evicts what is leased, pinned or being written; a chain's tail before its
-head; admission in chain order; bounded history and ghosts), the balanced mode's ARC (T1 before
-T2 while T1 is over its target, the target following the ghosts), the mode choice
+of the frequency mode (never evicts what is leased, pinned or being written; a chain's tail
+before its head; admission in chain order; bounded history), the mode choice and its shadows
 (kvstore.meta.duel), and aging. Every index check also checks the policy's own accounting."""
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import pytest
 
 from kvstore.meta import duel as du
 from kvstore.meta import policy as pol
-from kvstore.meta.duel import BALANCED, FREQUENCY, RECENCY
+from kvstore.meta.duel import FREQUENCY, RECENCY
 from kvstore.meta.index import Index, IndexLimits, PutStatus
 from tests.unit.test_index import BLK, FakeClock, dspec, k, pk, seg
 
@@ -20,12 +19,13 @@ ALLOCATED = PutStatus.ALLOCATED
 NOT_ADMITTED = PutStatus.NOT_ADMITTED
 
 
-def make(slots: int = 8, policy: str = "adaptive", mode: int | None = None) -> Index:
+def make(slots: int = 8, policy: str = "adaptive", frequency: bool | None = None) -> Index:
     idx = Index(IndexLimits(cache_policy=policy), FakeClock())
     idx.register_daemon(dspec(slots=slots), {})
-    if mode is not None:
-        idx.policy.duel.mode = mode  # pin the mode: these tests are about what each mode does
-        idx.policy.duel.choose = lambda hits, var: None  # type: ignore[method-assign]
+    if frequency is not None:
+        # Pin the mode: these tests are about what each mode does.
+        idx.policy.duel.mode = FREQUENCY if frequency else RECENCY
+        idx.policy.duel.choose = lambda lru, lfu: None  # type: ignore[method-assign]
     return idx
 
 
@@ -61,7 +61,7 @@ def test_policy_is_chosen_by_configuration():
 
 
 def test_frequency_mode_admits_only_blocks_hotter_than_the_victim():
-    idx = make(slots=4, mode=FREQUENCY)
+    idx = make(slots=4, frequency=True)
     for _ in range(3):
         request(idx, 0, 1, 2, 3)  # a hot chain fills the segment, counted 3 times
     # A new chain seen once: colder than anything it would evict, so it is declined, in chain
@@ -78,8 +78,8 @@ def test_frequency_mode_admits_only_blocks_hotter_than_the_victim():
     assert k(3) not in idx.entries and read(idx, 0, 1, 2) == 3
 
 
-def test_lru_policy_and_recency_and_balanced_modes_admit_everything():
-    for idx in (make(slots=4, policy="lru"), make(slots=4, mode=RECENCY), make(slots=4, mode=BALANCED)):
+def test_lru_mode_and_lru_policy_admit_everything():
+    for idx in (make(slots=4, policy="lru"), make(slots=4, frequency=False)):
         for _ in range(3):
             request(idx, 0, 1, 2, 3)
         read(idx, 10, 11)
@@ -88,7 +88,7 @@ def test_lru_policy_and_recency_and_balanced_modes_admit_everything():
 
 
 def test_a_declined_block_stops_the_rest_of_the_put():
-    idx = make(slots=4, mode=FREQUENCY)
+    idx = make(slots=4, frequency=True)
     for _ in range(2):
         request(idx, 0, 1, 2, 3)
     for _ in range(4):
@@ -98,10 +98,10 @@ def test_a_declined_block_stops_the_rest_of_the_put():
     assert st == [NOT_ADMITTED, NOT_ADMITTED, NOT_ADMITTED]
 
 
-@pytest.mark.parametrize("mode", [RECENCY, BALANCED, FREQUENCY])
-def test_never_evicts_leased_pinned_or_unwritten_blocks(mode: int):
+@pytest.mark.parametrize("frequency", [False, True])
+def test_never_evicts_leased_pinned_or_unwritten_blocks(frequency: bool):
     rng = random.Random(5)
-    idx = make(slots=6, mode=mode)
+    idx = make(slots=6, frequency=frequency)
     for _ in range(4):
         request(idx, 0, 1, 2, 3, 4, 5)
     lease = idx.acquire(pk(0, 1))  # leased
@@ -126,7 +126,7 @@ def test_never_evicts_leased_pinned_or_unwritten_blocks(mode: int):
 
 
 def test_frequency_mode_takes_a_chain_tail_before_its_head():
-    idx = make(slots=8, mode=FREQUENCY)
+    idx = make(slots=8, frequency=True)
     request(idx, 0, 1, 2, 3, 4, 5, 6, 7)
     request(idx, 0, 1, 2, 3, 4, 5, 6, 7)
     order = []
@@ -140,28 +140,17 @@ def test_frequency_mode_takes_a_chain_tail_before_its_head():
 
 def test_demotion_order_follows_the_mode():
     reps = []
-    idx = make(slots=8, mode=FREQUENCY)
+    idx = make(slots=8, frequency=True)
     request(idx, 0, 1, 2)
     for _ in range(5):
         read(idx, 0)
     read(idx, 1)
-    reps = list(seg(idx).lru.values())  # least recent first: 2, 0, 1
-    assert [r.entry.key for r in reps] == [k(2), k(0), k(1)]
+    reps = list(seg(idx).lru.values())  # least recent first: 2, 1, 0
     order = idx.policy.demotion_order(iter(reps), 3 * reps[0].size)
     assert [r.entry.key for r in order] == [k(2), k(1), k(0)]
     idx.policy.duel.mode = RECENCY
     order = idx.policy.demotion_order(iter(reps), 2 * reps[0].size)
     assert [r.entry.key for r in order] == [r.entry.key for r in reps[:2]]
-    # Balanced: the list REPLACE takes from first (T1 over p = 0: 2, never read again), then
-    # the other, each least recent first.
-    idx.policy.duel.mode = BALANCED
-    assert pol.seen_again(idx.entries[k(0)]) and pol.seen_again(idx.entries[k(1)])
-    assert not pol.seen_again(idx.entries[k(2)])
-    order = idx.policy.demotion_order(iter(reps), 3 * reps[0].size)
-    assert [r.entry.key for r in order] == [k(2), k(0), k(1)]
-    idx.policy.p = 10.0  # T1 within its target: T2's blocks go first
-    order = idx.policy.demotion_order(iter(reps), 3 * reps[0].size)
-    assert [r.entry.key for r in order] == [k(0), k(1), k(2)]
 
 
 def test_history_is_bounded():
@@ -172,9 +161,8 @@ def test_history_is_bounded():
         assert len(idx.policy.history) <= limit
     assert len(idx.policy.history) == limit
     # The shadows are bounded too.
-    lru, arc, lfu = idx.policy.duel.shadows
+    lru, lfu = idx.policy.duel.shadows
     assert len(lru.d) <= lru.capacity
-    assert len(arc) <= arc.capacity and len(arc.ghosts) <= arc.capacity
     assert len(lfu.d) <= lfu.capacity
     assert len(lfu.history) <= pol.HISTORY_FACTOR * lfu.capacity
 
@@ -250,60 +238,38 @@ def test_the_mode_follows_what_the_traffic_rewards():
 
 def test_the_mode_switches_only_on_a_difference_the_noise_does_not_explain():
     d = du.Duel()
-    assert d.mode == RECENCY and d.free
-    # Before the first eviction every mode has stored the same blocks: the most hits win.
-    d.choose([98.0, 100.0, 99.0], [1e6] * 3)
-    assert d.mode == BALANCED and d.switches == 1
     d.free = False
-    # Noise of a pair: 2 x sqrt(its decayed sum of squared per-request differences); var holds
-    # the pairs (recency, balanced), (recency, frequency), (balanced, frequency).
-    d.choose([110.0, 100.0, 0.0], [100.0, 0.0, 0.0])  # 10 more, noise 20: stays
-    assert d.mode == BALANCED and d.switches == 1
-    d.choose([125.0, 100.0, 0.0], [100.0, 0.0, 0.0])  # 25 more: recency (no margin between the two)
+    assert d.mode == RECENCY
+    d.choose(100.0, 110.0)  # 10 more hits: within 2 standard deviations (2 * sqrt(210) = 29)
+    assert d.mode == RECENCY and d.switches == 0
+    d.choose(100.0, 200.0)  # 100 more: significant, and above the margin
+    assert d.mode == FREQUENCY and d.switches == 1
+    d.choose(110.0, 100.0)  # recency ahead by noise only: stays
+    assert d.mode == FREQUENCY and d.switches == 1
+    d.choose(200.0, 100.0)
     assert d.mode == RECENCY and d.switches == 2
-    d.choose([1000.0, 0.0, 1040.0], [0.0, 100.0, 0.0])  # significant, but 4 % < the 5 % margin
+    d.choose(10_000.0, 10_050.0)  # significant at this volume (2 * sqrt(20050) = 283)? no: 50 < 283
     assert d.mode == RECENCY
-    d.choose([1000.0, 0.0, 1060.0], [0.0, 1000.0, 0.0])  # 6 %, but 60 < 2 x sqrt(1000) = 63
-    assert d.mode == RECENCY
-    d.choose([1000.0, 0.0, 1060.0], [0.0, 100.0, 0.0])  # 6 % and 60 > 20
+    d.choose(10_000.0, 11_000.0)  # 1000 > 290 and 10 % > the 5 % margin
     assert d.mode == FREQUENCY and d.switches == 3
-    # Back out of frequency takes the same margin.
-    d.choose([0.0, 1040.0, 1000.0], [0.0, 0.0, 100.0])
-    assert d.mode == FREQUENCY
-    # Two modes clearly ahead: the one with the most hits.
-    d.choose([1100.0, 1200.0, 1000.0], [0.0, 100.0, 100.0])
-    assert d.mode == BALANCED and d.switches == 4
-
-
-def test_the_paired_noise_follows_the_per_request_differences():
-    """Shadows that agree on most requests: a small, steady advantage is significant; one that
-    comes from a few long chains is not (the hit counts alone would say the opposite)."""
-    steady, bursty = du.Duel(), du.Duel()
-    for d in (steady, bursty):
-        d.free = False
-        d.mode = RECENCY
-    for i in range(80):
-        steady.choose(*_step(steady, (10, 11, 0)))  # balanced: 1 more hit on every request
-        bursty.choose(*_step(bursty, (10, 60, 0) if i % 40 == 39 else (10, 10, 0)))  # 50 more, 1 in 40
-    # steady: 80 more, noise 2 x sqrt(80) = 18 (counted as Poisson: 2 x sqrt(800 + 880) = 82);
-    # bursty: 100 more, noise 2 x sqrt(2 x 50^2) = 141 (as Poisson: 2 x sqrt(800 + 900) = 82).
-    assert steady.mode == BALANCED
-    assert bursty.mode == RECENCY
-
-
-def _step(d: du.Duel, got: tuple[int, int, int]) -> tuple[list[float], list[float]]:
-    """Adds one request's shadow hits to ``d``'s sums as Duel.observe does (no decay)."""
-    for i in range(3):
-        d.hits[i] += got[i]
-    d.var[0] += (got[0] - got[1]) ** 2
-    d.var[1] += (got[0] - got[2]) ** 2
-    d.var[2] += (got[1] - got[2]) ** 2
-    return d.hits, d.var
+    # Back to recency takes the same margin: 400 more hits pass the noise (2 * sqrt(20400) =
+    # 286) but are 4 % of frequency's, under the margin: stays.
+    d.choose(10_400.0, 10_000.0)
+    assert d.mode == FREQUENCY and d.switches == 3
+    d.choose(10_600.0, 10_000.0)  # 6 %, and 600 > 2 * sqrt(20600) = 287
+    assert d.mode == RECENCY and d.switches == 4
 
 
 def test_the_mode_is_free_until_the_first_eviction():
+    """Before anything is evicted (or declined) both modes have stored the same blocks: the
+    shadow with more hits wins, however small the difference; from then on, only evidence."""
+    d = du.Duel()
+    assert d.mode == RECENCY and d.free
+    d.choose(100.0, 101.0)
+    assert d.mode == FREQUENCY and d.switches == 1
+    d.choose(101.0, 100.0)
+    assert d.mode == RECENCY and d.switches == 2
     idx = make(slots=8)
-    assert idx.policy.mode == "recency" and idx.policy.duel.free
     for i in range(8):
         request(idx, i)
     assert idx.policy.duel.free, "nothing was evicted yet"
@@ -311,79 +277,15 @@ def test_the_mode_is_free_until_the_first_eviction():
     assert not idx.policy.duel.free
 
 
-def test_balanced_mode_follows_arc_in_one_recency_order():
-    idx = make(slots=4, mode=BALANCED)
-    p = idx.policy
-
-    def ids(keys) -> list[int]:
-        return [int.from_bytes(x, "big") - 1 for x in keys]  # k(i) is i + 1, big-endian
-
-    request(idx, 0, 1)
-    request(idx, 0, 1)  # read while stored: T2
-    request(idx, 10)
-    request(idx, 11)  # seen once: T1, more recent than 0 and 1
-    assert [pol.seen_again(idx.entries[k(i)]) for i in (0, 1, 10, 11)] == [True, True, False, False]
-    assert p.seen_again == 2 and p.p == 0
-    # T1 holds 2 > p = 0: the victim is T1's least recent (10). The T2 blocks the search passed
-    # (1, 0, the least recent of all) go back to T1 at its most recent end, tail first: where
-    # recency would have evicted them, they get a second pass.
-    request(idx, 20)
-    assert ids(seg(idx).lru) == [11, 1, 0, 20] and p.seen_again == 0
-    assert dict(p.ghosts) == {k(10): False}
-    # 10, a ghost of T1, asked for again: p rises by max(|B2| / |B1|, 1) = 1 (recency would have
-    # kept it); stored again (T1 of 4 over p: 11 goes) it is in T2.
-    request(idx, 10)
-    assert p.p == 1.0 and pol.seen_again(idx.entries[k(10)]) and k(11) not in idx.entries
-    request(idx, 11)  # the same: p = 2; T1 (1, 0, 20) over it: 1 goes
-    assert p.p == 2.0 and k(1) not in idx.entries
-    assert ids(seg(idx).lru) == [0, 20, 10, 11] and p.seen_again == 2
-    # T1 (0, 20) is now within p = 2: the victim is T2's least recent (10), though T1's blocks
-    # are older.
-    request(idx, 30)
-    assert set(ids(idx.entries)) == {0, 20, 11, 30} and p.ghosts[k(10)] is True
-    # A ghost of T2 asked for again lowers p by max(|B1| / |B2|, 1).
-    b1 = sum(1 for v in p.ghosts.values() if not v)
-    read(idx, 10)
-    assert p.p == 2.0 - max(b1 / 1, 1.0)
-    idx.check_integrity()
-
-
-def test_balanced_mode_takes_a_chain_tail_before_its_head():
-    idx = make(slots=8, mode=BALANCED)
-    request(idx, 0, 1, 2, 3, 4, 5, 6, 7)
-    request(idx, 0, 1, 2, 3, 4, 5, 6, 7)  # all T2
-    idx.policy.p = 100.0  # T1 within its target: the victims come from T2
-    order = []
-    for n in range(8):
-        assert store(idx, 50 + n) == [ALLOCATED]
-        order += [i for i in range(8) if k(i) not in idx.entries and i not in order]
-    assert order == [7, 6, 5, 4, 3, 2, 1, 0]
-
-
-def test_balanced_mode_sends_the_t2_blocks_its_search_passes_back_to_t1():
-    idx = make(slots=4, mode=BALANCED)
-    request(idx, 0, 1, 2)
-    request(idx, 0, 1, 2)  # T2, least recent
-    request(idx, 10)  # T1, most recent
-    assert idx.policy.seen_again == 3
-    request(idx, 20)  # T1 over p = 0: the search passes 2, 1, 0 to reach 10
-    assert set(idx.entries) == {k(0), k(1), k(2), k(20)}
-    assert idx.policy.seen_again == 0, "the passed T2 blocks went back to T1"
-    assert list(seg(idx).lru)[:3] == [k(2), k(1), k(0)]  # in their order, tail first
-    request(idx, 21)  # the chain's tail is now T1's least recent
-    assert set(idx.entries) == {k(0), k(1), k(20), k(21)}
-    idx.check_integrity()
-
-
-@pytest.mark.parametrize("mode", [RECENCY, BALANCED, FREQUENCY])
-def test_each_shadow_plays_its_mode_as_the_index_does(mode: int):
+@pytest.mark.parametrize("frequency", [False, True])
+def test_each_shadow_plays_its_mode_as_the_index_does(frequency: bool):
     """The duel is only as good as its shadows: a shadow of the index's size, fed every key, earns
-    what the index pinned in its mode earns (recency exactly; the others within 15 %: the
-    frequency shadow keeps its own counts, and puts land after the reads in the index), on a
-    mix of hot single blocks, shared chains and one-time scans."""
+    what the index pinned in its mode earns (recency exactly; frequency within 15 %: its shadow
+    keeps its own counts, over a history of its own size), on a mix of hot single blocks, shared
+    chains and one-time scans."""
     rng = random.Random(3)
-    idx = make(slots=300, mode=mode)
-    shadow = du.Duel().shadows[mode]
+    idx = make(slots=300, frequency=frequency)
+    shadow = du.Duel().shadows[int(frequency)]
     shadow.capacity = 300
     fresh = 10**6
     got_index = got_shadow = 0
@@ -399,19 +301,19 @@ def test_each_shadow_plays_its_mode_as_the_index_does(mode: int):
             ids = tuple(range(fresh, fresh + 40))
         got_index += request(idx, *ids, check=False)
         got_shadow += shadow.access([k(i) for i in ids])
-    if mode == RECENCY:
+    if not frequency:
         assert got_shadow == got_index
     else:
         assert abs(got_shadow - got_index) <= 0.15 * got_index, (got_shadow, got_index)
     idx.check_integrity()
 
 
-def test_ghosts_are_bounded():
-    idx = make(slots=4, mode=BALANCED)
-    for i in range(3 * pol.MIN_POPULATION):
-        request(idx, 10_000 + i, check=False)
-    assert len(idx.policy.ghosts) == pol.MIN_POPULATION
-    idx.check_integrity()
+def test_a_request_longer_than_the_recency_shadow_keeps_its_head():
+    shadow = du.ShadowLru(4)
+    chain = [k(i) for i in range(10)]
+    shadow.access(chain)
+    assert list(shadow.d) == chain[3::-1]  # the head, touched last, most recent
+    assert shadow.access(chain) == 4
 
 
 @pytest.mark.parametrize("seed", [1, 2])
