@@ -347,3 +347,49 @@ def test_deferred_accounting_makes_every_decision_the_same(seed: int):
     assert set(now.entries) == set(later.entries)
     assert now.policy.mode_switches > 0, "the traffic never switched modes: the test shows too little"
     later.check_integrity()
+
+
+@pytest.mark.parametrize("setup", ["lru", "recency", "frequency", "adaptive"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_no_block_outlives_its_parent(setup: str, seed: int):
+    """A chain's tail goes before its head in every mode, also under reads of a prefix only and
+    requests that share a head and fork: after every step, each stored block's parent is stored
+    (a block without its predecessors can never be a prefix hit, so keeping it would waste the
+    room)."""
+    rng = random.Random(seed)
+    if setup == "lru":
+        idx = make(slots=40, policy="lru")
+    elif setup == "adaptive":
+        idx = make(slots=40)
+    else:
+        idx = make(slots=40, frequency=setup == "frequency")
+    parent: dict[int, int] = {}
+    chains: list[list[int]] = []
+    fresh = 1000
+    for _ in range(40):  # a forest: shared heads, forks, private tails
+        if chains and rng.random() < 0.6:
+            base = rng.choice(chains)
+            chain = base[: rng.randrange(1, len(base) + 1)]
+        else:
+            chain = []
+        for _ in range(rng.randrange(1, 12)):
+            fresh += 1
+            if chain:
+                parent[fresh] = chain[-1]
+            chain = chain + [fresh]
+        chains.append(chain)
+    weights = [1 / (i + 1) for i in range(len(chains))]  # some chains hot, most cold
+    for step in range(600):
+        chain = rng.choices(chains, weights)[0]
+        if rng.random() < 0.3:
+            read(idx, *chain[: rng.randrange(1, len(chain) + 1)])  # a prefix only
+        else:
+            try:
+                request(idx, *chain, check=False)
+            except Exception as e:  # the whole segment leased or written: nothing to evict
+                assert type(e).__name__ == "ResourceExhausted", e
+        stored = {int.from_bytes(x, "big") - 1 for x in idx.entries}  # k(i) is i + 1
+        orphans = [b for b in stored if b in parent and parent[b] not in stored]
+        assert not orphans, f"step {step}: {orphans} stored without their parents"
+    assert idx.counters["evictions"] > 30, "the test evicted too little to show anything"
+    idx.check_integrity()
