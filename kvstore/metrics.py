@@ -209,13 +209,8 @@ class MetaCollector:
         pol = idx.policy.stats()
         yield GaugeMetricFamily(
             "kvstore_meta_policy_frequency_mode",
-            f"1 while the {idx.policy.name} cache policy evicts and admits by frequency, else 0",
+            f"1 while the {idx.policy.name} cache policy evicts and admits by frequency, 0 by recency",
             value=pol.get("policy_frequency_mode", 0),
-        )
-        yield GaugeMetricFamily(
-            "kvstore_meta_policy_mode",
-            f"The {idx.policy.name} cache policy's mode: 0 recency, 1 frequency",
-            value=pol.get("policy_mode", 0),
         )
         yield _counter(
             "kvstore_meta_policy_mode_switches_total",

@@ -74,9 +74,16 @@ class NextRead:
 _NEXT_MAX_ENTRIES = 4096
 
 
-def _ssd_ref(entry: tuple) -> tuple[int, bytes, int, int]:
-    key, _s, _e, off, length, _c, gen, _t = entry
-    return off, key, length, gen
+def _committed_ssd(entries: list[tuple], arenas: list) -> list[int]:
+    """The entries naming a block committed on an SSD segment, the only ones read from SSD: the
+    others are a miss before any buffer is sized."""
+    out = []
+    for i, seg in enumerate(arenas):
+        if isinstance(seg, SsdSegment):
+            key, _s, _e, off, length, _c, gen, _t = entries[i]
+            if seg.holds(off, key, length, gen):
+                out.append(i)
+    return out
 
 
 class ReadServing:
@@ -107,9 +114,7 @@ class ReadServing:
                 return None
             entries = list(ENTRY.iter_unpack(memoryview(frame)[REQ_HEAD.size :]))
             arenas = self._check(entries, op, count=False)
-            ssd_idx = [
-                i for i, seg in enumerate(arenas) if isinstance(seg, SsdSegment) and seg.holds(*_ssd_ref(entries[i]))
-            ]
+            ssd_idx = _committed_ssd(entries, arenas)
             if not ssd_idx:
                 return None
             # What was peeked is there: taken off the socket. (A connection that fails here
@@ -242,11 +247,7 @@ class ReadServing:
         if taken is not None:  # begun while the request before it was served
             ssd_idx, slots, ahead = taken.ssd_idx, taken.slots, taken.ahead
         else:
-            # Only committed blocks are read from SSD: the others are a miss before any buffer
-            # is sized.
-            ssd_idx = [
-                i for i, seg in enumerate(arenas) if isinstance(seg, SsdSegment) and seg.holds(*_ssd_ref(entries[i]))
-            ]
+            ssd_idx = _committed_ssd(entries, arenas)
             # A same-host reader (STAGED) gets SSD blocks in the staging region, as many as fit.
             slots = self._slots(entries, arenas, ssd_idx) if flags & STAGED else {}
         ssd_set = set(ssd_idx)

@@ -147,10 +147,6 @@ class AdaptivePolicy(LruPolicy):
         self._pending_keys = 0
 
     @property
-    def mode(self) -> str:
-        return MODES[self.duel.mode]  # as of the last drain
-
-    @property
     def frequency_mode(self) -> bool:
         return self.duel.mode == FREQUENCY
 
@@ -267,7 +263,6 @@ class AdaptivePolicy(LruPolicy):
     def stats(self) -> dict[str, int]:
         # Read-only, without a drain: the metrics thread calls it while the service runs.
         return {
-            "policy_mode": self.duel.mode,
             "policy_frequency_mode": int(self.frequency_mode),
             "policy_mode_switches": self.mode_switches,
             **{f"policy_{m}_keys": n for m, n in zip(MODES, self.duel.keys_in)},

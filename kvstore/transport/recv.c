@@ -50,39 +50,27 @@ static int recv_some(int fd, uint8_t *buf, size_t len, size_t *pos) {
     } while (0)
 
 /* Receives a payload of len bytes into buf and returns its xxh3-64 in *sum: 0 or an error as
- * RECV_FULL's. A payload larger than RECV_PIECE is received piece by piece (each recv returns what
- * the socket holds, up to a piece) and each piece is checksummed as it arrives, while it is still
- * in cache, instead of the whole payload being read back from memory once it is in: 2 MiB blocks
- * went from 0.70-0.81 to 0.82-0.86 of the raw socket (bench/store_throughput.py, 2 cores). A
- * smaller one is received whole and checksummed in one call. ``save``: the caller's
- * Py_BEGIN_ALLOW_THREADS state, to run Python's signal handlers between recvs. */
+ * RECV_FULL's. A payload larger than RECV_PIECE is received RECV_PIECE at a time and each piece is
+ * checksummed once it is in, while it is still in cache, instead of the whole payload being read
+ * back from memory at the end: 2 MiB blocks went from 0.70-0.81 to 0.82-0.86 of the raw socket
+ * (bench/store_throughput.py, 2 cores). ``save``: the caller's Py_BEGIN_ALLOW_THREADS state, for
+ * RECV_FULL to run Python's signal handlers between recvs. */
 #define RECV_PIECE (256u << 10)
 static int recv_hashed(int fd, uint8_t *buf, size_t len, XXH3_state_t *state, uint64_t *sum, PyThreadState **save) {
     PyThreadState *_save = *save;
     int err = 0;
-    if (len <= RECV_PIECE) {
+    if (len <= RECV_PIECE) { /* one piece: received whole, checksummed in one call */
         RECV_FULL(err, fd, buf, len);
         if (err == 0) *sum = XXH3_64bits(buf, len);
         *save = _save;
         return err;
     }
     XXH3_64bits_reset(state);
-    size_t done = 0;
-    while (err == 0 && done < len) {
-        ssize_t got = recv(fd, buf + done, len - done < RECV_PIECE ? len - done : RECV_PIECE, 0);
-        if (got > 0) {
-            XXH3_64bits_update(state, buf + done, (size_t)got);
-            done += (size_t)got;
-        } else if (got == 0) {
-            err = 1;
-        } else if (errno != EINTR) {
-            err = -errno;
-        } else {
-            Py_BLOCK_THREADS
-            int sig = PyErr_CheckSignals();
-            Py_UNBLOCK_THREADS
-            if (sig < 0) err = SIGNALLED;
-        }
+    for (size_t done = 0; done < len && err == 0;) {
+        size_t piece = len - done < RECV_PIECE ? len - done : RECV_PIECE;
+        RECV_FULL(err, fd, buf + done, piece);
+        if (err == 0) XXH3_64bits_update(state, buf + done, piece);
+        done += piece;
     }
     if (err == 0) *sum = XXH3_64bits_digest(state);
     *save = _save;
