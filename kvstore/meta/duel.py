@@ -13,6 +13,7 @@ keys, which the duel changes as the index grows or shrinks.
 from __future__ import annotations
 
 import math
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -29,9 +30,12 @@ SIGNIFICANCE = 2.0  # standard deviations (the two-sided 95 % level)
 
 
 def sampled(key: bytes, s: int) -> bool:
-    """Whether ``key`` is in the 1-in-``s`` hash sample (keys are hashes: their last bytes are
-    uniform)."""
-    return s == 1 or int.from_bytes(key[-4:], "little") % s == 0
+    """Whether ``key`` is in the 1-in-``s`` hash sample: a CRC-32 of the whole key, spread by a
+    multiplicative (Fibonacci) hash. Keys are usually hashes already, but a client may name
+    blocks any way it likes (sequential numbers, a tenant prefix): taking a key's own bytes as
+    the sample would then pick the same chain positions in every request and skew both shadows
+    (on the trace with sequential keys, by enough to choose the wrong mode)."""
+    return s == 1 or ((((zlib.crc32(key) * 0x9E3779B1) & 0xFFFFFFFF) >> 8) % s) == 0
 
 
 def leading(keys: Sequence[bytes], d: dict) -> int:
@@ -131,8 +135,10 @@ class Duel:
 
     The mode starts as recency (plain LRU) and follows the shadows freely until the index first
     needs room (the policy is asked for a victim): before that, both modes have stored the same
-    blocks, so a switch costs nothing. From then on it moves only on evidence (see
-    :meth:`choose`)."""
+    blocks, so a switch costs nothing and needs no margin. It still needs evidence: the index
+    leaves the free phase in whatever mode it is in then, and a frequency mode entered on noise
+    (a shadow one hit ahead, or tied) would then cost what the margin makes it slow to undo.
+    From then on it moves only on evidence and past the margin (see :meth:`choose`)."""
 
     def __init__(self) -> None:
         self.mode = RECENCY
@@ -171,11 +177,12 @@ class Duel:
         of the counting noise (hit counts of sampled keys: about Poisson, so sqrt(lfu + lru) for
         their difference). A difference the noise or the margin explains changes nothing: each
         switch costs the blocks the new mode would not have kept. While the switch is free (see
-        the class), the shadow with more hits wins."""
+        the class), frequency mode needs a significant lead, no margin, and recency, the mode
+        that is never below LRU, is the default."""
         d = lfu - lru
         noise = SIGNIFICANCE * math.sqrt(lfu + lru)
         if self.free:
-            mode = FREQUENCY if d > 0 else RECENCY if d < 0 else self.mode
+            mode = FREQUENCY if d > noise else RECENCY
         elif self.mode == FREQUENCY:  # stays unless recency clearly earns more
             mode = RECENCY if -d > noise and lru > lfu * (1 + MARGIN) else FREQUENCY
         else:

@@ -261,14 +261,24 @@ def test_the_mode_switches_only_on_a_difference_the_noise_does_not_explain():
 
 
 def test_the_mode_is_free_until_the_first_eviction():
-    """Before anything is evicted (or declined) both modes have stored the same blocks: the
-    shadow with more hits wins, however small the difference; from then on, only evidence."""
+    """Before anything is evicted (or declined) both modes have stored the same blocks: a
+    significant lead is enough, with no margin and no hysteresis; an insignificant one, or a
+    tie, leaves (or puts back) the default recency mode, so that the index does not leave the
+    free phase in a mode the evidence did not choose. From then on, the margin too."""
     d = du.Duel()
     assert d.mode == RECENCY and d.free
-    d.choose(100.0, 101.0)
+    d.choose(100.0, 101.0)  # one hit ahead: noise
+    assert d.mode == RECENCY and d.switches == 0
+    d.choose(1000.0, 1040.0)  # 40 < 2 * sqrt(2040) = 90: not significant
+    assert d.mode == RECENCY
+    d.choose(1000.0, 1100.0)  # 100 > 2 * sqrt(2100) = 92: significant, margin not needed yet
     assert d.mode == FREQUENCY and d.switches == 1
-    d.choose(101.0, 100.0)
+    d.choose(1000.0, 1000.0)  # the lead gone: back to the default, free of charge
     assert d.mode == RECENCY and d.switches == 2
+    d.choose(1000.0, 1100.0)
+    d.free = False
+    d.choose(1000.0, 1000.0)  # now a switch costs: frequency stays until recency clearly earns more
+    assert d.mode == FREQUENCY and d.switches == 3
     idx = make(slots=8)
     for i in range(8):
         request(idx, i)
@@ -306,6 +316,29 @@ def test_each_shadow_plays_its_mode_as_the_index_does(frequency: bool):
     else:
         assert abs(got_shadow - got_index) <= 0.15 * got_index, (got_shadow, got_index)
     idx.check_integrity()
+
+
+@pytest.mark.parametrize("layout", ["big-endian counter", "little-endian counter", "tenant tag at the end"])
+def test_the_shadow_sample_is_even_for_structured_keys(layout: str):
+    """Shadows replay 1 in s keys. Clients may name blocks as they like, not only by hashes: with
+    keys that are counters or carry a tenant tag, every chain position must still be sampled at
+    about 1 in s, or the shadows see the same positions of every chain (a sample taken from a
+    key's last bytes takes all of them or none, and chose the wrong mode on the trace)."""
+    s, n = 4, 40_000
+
+    def key(i: int) -> bytes:
+        if layout == "big-endian counter":
+            return i.to_bytes(16, "big")
+        if layout == "little-endian counter":
+            return i.to_bytes(16, "little")
+        return i.to_bytes(12, "little") + b"tnt7"
+
+    taken = [0] * 8
+    for i in range(n):
+        taken[i % 8] += du.sampled(key(i), s)
+    shares = [t / (n / 8) for t in taken]
+    assert all(0.2 < x < 0.3 for x in shares), shares  # 1 in 4 at every position
+    assert all(du.sampled(key(i), 1) for i in range(100))
 
 
 def test_a_request_longer_than_the_recency_shadow_keeps_its_head():
