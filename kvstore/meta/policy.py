@@ -26,8 +26,9 @@ Two policies, chosen by ``meta.cache_policy``:
   and a difference above ``SIGNIFICANCE`` standard deviations of the sampling noise (the
   conventional two-sided 95 % level), the same hysteresis both ways, so that noise does not
   flip the mode back and forth (every switch costs the blocks the other mode would have kept).
-  It starts in recency mode and follows the shadows freely until the index first needs room
-  (until then no switch has a cost). Recency wins on traffic whose reuse is recent (chat, document QA);
+  It starts in recency mode and, until the index first needs room (until then no switch has a
+  cost), takes frequency mode on any significant lead, without the margin, and is back in
+  recency mode otherwise. Recency wins on traffic whose reuse is recent (chat, document QA);
   frequency wins where most blocks are used once and a few prefixes are used by many
   (production conversation traces).
 
