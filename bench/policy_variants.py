@@ -142,52 +142,60 @@ def _task(name: str, capacity: int, policy: str) -> tuple[str, int, str, dict, f
 def run(names: Sequence[str], caps: Sequence[int], jobs: int, progress: bool = True) -> dict:
     builders = variants()
     result: dict = {"capacities": list(caps), "lru_floor": P.LRU_FLOOR, "variants": {}}
-    for name in tqdm(names, desc="streams", unit="variant", disable=not progress):
-        keys, what = builders[name]()
-        P._STREAMS[name] = s = P.Stream.from_keys(name, keys)
-        result["variants"][name] = {"what": what, **s.profile()}
-    tasks = [(n, c, p) for n in names for c in caps for p in POLICIES]
-    cost = {"kvstore": 4, "optimal": 2}
-    tasks.sort(key=lambda t: -P._STREAMS[t[0]].refs * cost.get(t[2], 1))
-    raw: dict[tuple[str, int], dict[str, dict]] = {}
-    with tqdm(total=len(tasks), desc="policy", unit="run", disable=not progress) as bar:
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            for f in as_completed([pool.submit(_task, *t) for t in tasks]):
-                n, c, p, out, _ = f.result()
-                raw.setdefault((n, c), {})[p] = out
-                bar.set_postfix_str(f"{n} {c} {p}")
-                bar.update(1)
-    worst = None
-    for name in names:
-        refs = P._STREAMS[name].refs
-        rows = []
-        for c in caps:
-            got = raw[(name, c)]
-            rates = {p: round(got[p]["hits"] / refs, 4) for p in POLICIES}
-            row = {
-                "capacity": c,
-                "hit_rates": rates,
-                "below_lru": round(rates["lru"] - rates["kvstore"], 4),
-                "hit_over_lru": round(rates["kvstore"] / rates["lru"], 4) if rates["lru"] else None,
-                "mode_switches": got["kvstore"].get("policy_mode_switches", 0),
-                "frequency_key_share": round(
-                    got["kvstore"].get("policy_frequency_keys", 0)
-                    / max(
-                        1, got["kvstore"].get("policy_frequency_keys", 0) + got["kvstore"].get("policy_recency_keys", 0)
-                    ),
-                    3,
-                ),
-            }
-            row["meets_lru_floor"] = row["below_lru"] <= P.LRU_FLOOR
-            rows.append(row)
-            if worst is None or row["below_lru"] > worst["below_lru"]:
-                worst = {"variant": name, "capacity": c, "below_lru": row["below_lru"]}
-        result["variants"][name]["rows"] = rows
+    try:
+        for name in tqdm(names, desc="streams", unit="variant", disable=not progress):
+            keys, what = builders[name]()
+            P._STREAMS[name] = s = P.Stream.from_keys(name, keys)
+            result["variants"][name] = {"what": what, **s.profile()}
+        tasks = [(n, c, p) for n in names for c in caps for p in POLICIES]
+        cost = {"kvstore": 4, "optimal": 2}
+        tasks.sort(key=lambda t: -P._STREAMS[t[0]].refs * cost.get(t[2], 1))
+        raw: dict[tuple[str, int], dict[str, dict]] = {}
+        with tqdm(total=len(tasks), desc="policy", unit="run", disable=not progress) as bar:
+            if jobs > 1:
+                ctx = multiprocessing.get_context("fork")  # workers read P._STREAMS, never pickle it
+                with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+                    done = (f.result() for f in as_completed([pool.submit(_task, *t) for t in tasks]))
+                    for n, c, p, out, _ in done:
+                        raw.setdefault((n, c), {})[p] = out
+                        bar.set_postfix_str(f"{n} {c} {p}")
+                        bar.update(1)
+            else:
+                for t in tasks:
+                    n, c, p, out, _ = _task(*t)
+                    raw.setdefault((n, c), {})[p] = out
+                    bar.set_postfix_str(f"{n} {c} {p}")
+                    bar.update(1)
+        worst = None
+        for name in names:
+            refs = P._STREAMS[name].refs
+            rows = [_row(c, raw[(name, c)], refs) for c in caps]
+            for row in rows:
+                if worst is None or row["below_lru"] > worst["below_lru"]:
+                    worst = {"variant": name, "capacity": row["capacity"], "below_lru": row["below_lru"]}
+            result["variants"][name]["rows"] = rows
+    finally:
+        P._STREAMS.clear()
     result["worst_below_lru"] = worst
     result["floor_met_everywhere"] = all(r["meets_lru_floor"] for v in result["variants"].values() for r in v["rows"])
-    P._STREAMS.clear()
     return result
+
+
+def _row(capacity: int, got: dict[str, dict], refs: int) -> dict:
+    """One capacity's row: prefix hit rates, and kvstore against plain LRU from unrounded rates."""
+    rates = {p: got[p]["hits"] / refs for p in POLICIES}
+    below = rates["lru"] - rates["kvstore"]
+    kv = got["kvstore"]
+    freq, rec = kv.get("policy_frequency_keys", 0), kv.get("policy_recency_keys", 0)
+    return {
+        "capacity": capacity,
+        "hit_rates": {p: round(v, 4) for p, v in rates.items()},
+        "below_lru": round(below, 4),
+        "hit_over_lru": round(rates["kvstore"] / rates["lru"], 4) if rates["lru"] else None,
+        "meets_lru_floor": below <= P.LRU_FLOOR,
+        "mode_switches": kv.get("policy_mode_switches", 0),
+        "frequency_key_share": round(freq / max(1, freq + rec), 3),
+    }
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -201,7 +209,8 @@ def plot(result: dict, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for name, v in result["variants"].items():
         caps = [r["capacity"] for r in v["rows"]]
-        ax.plot(caps, [r["hit_over_lru"] or 1.0 for r in v["rows"]], "o-", ms=3, label=name)
+        ratios = [r["hit_over_lru"] for r in v["rows"]]  # None where LRU hits nothing: not drawn
+        ax.plot(caps, [x if x else float("nan") for x in ratios], "o-", ms=3, label=name)
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -222,8 +231,9 @@ def render(r: dict, png: str | None) -> str:
         "",
         f"`{r['command']}` on {r['machine']}, {r['date']} ({r['wall_s']} s). Each variant replayed through the",
         "metadata service's index (default adaptive policy) as in `bench/policy.py`, next to plain LRU,",
-        "tail-first LRU and Belady's MIN (upper bound). Floor: never more than",
-        f"{r['lru_floor']} below plain LRU. Worst: {r['worst_below_lru']['variant']} at "
+        "tail-first LRU and Belady's MIN (upper bound). Numbers are prefix hit rates (leading-hit blocks /",
+        "blocks requested); the floor is kvstore's rate never more than",
+        f"{r['lru_floor']} below plain LRU's (an absolute difference). Worst: {r['worst_below_lru']['variant']} at "
         f"{r['worst_below_lru']['capacity']:,} blocks, {r['worst_below_lru']['below_lru']:.4f} below LRU; "
         f"floor met everywhere: **{'yes' if r['floor_met_everywhere'] else 'no'}**.",
         "",

@@ -125,7 +125,7 @@ def _plugins() -> dict[str, Any]:
 
 
 BENCH_SUITES = {
-    "policy": ["policy.py", "index_scale.py"],
+    "policy": ["policy.py", "policy_variants.py", "index_scale.py"],
     "store": ["store_throughput.py", "peers.py", "meta_capacity.py", "tier_throughput.py"],
     "engine": ["engine_reuse.py", "engine_integrations.py"],
     "gpu": ["gpu_copy.py"],
@@ -133,6 +133,7 @@ BENCH_SUITES = {
     "cluster": ["cluster.py"],
     "all": [
         "policy.py",
+        "policy_variants.py",
         "index_scale.py",
         "store_throughput.py",
         "peers.py",

@@ -216,7 +216,7 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         keys = self._keys(packed_keys)
         ttl = self._timeout(ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s, "lease ttl")
         run = self._run(keys)
-        self.policy.access(keys)
+        self.policy.access(keys, len(run))
         self.counters["acquires"] += 1
         self.counters["hit_keys"] += len(run)
         self.counters["miss_keys"] += len(keys) - len(run)
@@ -258,7 +258,7 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         stored = 0
         for keys in parsed:
             run = self._run(keys)
-            self.policy.access(keys)
+            self.policy.access(keys, len(run))
             for e in run:
                 rep = e.replica
                 if rep is not None and rep.segment.spec.tier != Tier.DRAM:

@@ -26,9 +26,12 @@ Two policies, chosen by ``meta.cache_policy``:
   and a difference above ``SIGNIFICANCE`` standard deviations of the sampling noise (the
   conventional two-sided 95 % level), the same hysteresis both ways, so that noise does not
   flip the mode back and forth (every switch costs the blocks the other mode would have kept).
-  It starts in recency mode and, until the index first needs room (until then no switch has a
-  cost), takes frequency mode on any significant lead, without the margin, and is back in
-  recency mode otherwise. Recency wins on traffic whose reuse is recent (chat, document QA);
+  Each shadow's hits are weighed by what the index itself earned per shadow hit while in that
+  mode (:meth:`kvstore.meta.duel.Duel.calibration`): a frequency mode that does not deliver what
+  its shadow promised is left and not re-entered on the same promise.
+  It starts in recency mode; until the index first needs room (until then no switch has a
+  cost) the mode is what the rule for entering frequency mode says at each request, with no
+  hysteresis. Recency wins on traffic whose reuse is recent (chat, document QA);
   frequency wins where most blocks are used once and a few prefixes are used by many
   (production conversation traces).
 
@@ -85,8 +88,9 @@ class LruPolicy:
     def frequency_mode(self) -> bool:
         return False
 
-    def access(self, keys: Sequence[bytes]) -> None:
-        """A read of ``keys`` (a request's chain, hits and misses)."""
+    def access(self, keys: Sequence[bytes], hits: int = 0) -> None:
+        """A read of ``keys`` (a request's chain, hits and misses), of which the index held the
+        first ``hits``."""
 
     def drain(self) -> None:
         """Accounts accesses queued by ``defer`` (none here)."""
@@ -144,7 +148,7 @@ class AdaptivePolicy(LruPolicy):
         # block's arrival or departure before its entries change, so the order of events the
         # policy sees, and so every decision, is the same as without.
         self.defer = False
-        self._pending: list[Sequence[bytes]] = []
+        self._pending: list[tuple[Sequence[bytes], int]] = []
         self._pending_keys = 0
 
     @property
@@ -161,11 +165,11 @@ class AdaptivePolicy(LruPolicy):
     def _history_limit(self) -> int:
         return min(HISTORY_MAX, HISTORY_FACTOR * self._population())
 
-    def access(self, keys: Sequence[bytes]) -> None:
+    def access(self, keys: Sequence[bytes], hits: int = 0) -> None:
         if not self.defer:
-            self._access(keys)
+            self._access(keys, hits)
             return
-        self._pending.append(keys)
+        self._pending.append((keys, hits))
         self._pending_keys += len(keys)
         if self._pending_keys >= PENDING_MAX:
             self.drain()
@@ -174,10 +178,10 @@ class AdaptivePolicy(LruPolicy):
         """Accounts the queued accesses, in order."""
         if self._pending:
             pending, self._pending, self._pending_keys = self._pending, [], 0
-            for keys in pending:
-                self._access(keys)
+            for keys, hits in pending:
+                self._access(keys, hits)
 
-    def _access(self, keys: Sequence[bytes]) -> None:
+    def _access(self, keys: Sequence[bytes], hits: int) -> None:
         get = self.entries.get
         epoch = self.epoch
         stamp = epoch << _EPOCH_SHIFT
@@ -196,7 +200,7 @@ class AdaptivePolicy(LruPolicy):
         if self._n >= AGE_FACTOR * self._population():
             self._n = 0
             self.epoch += 1
-        self.duel.observe(keys, len(self.entries))
+        self.duel.observe(keys, len(self.entries), hits)
 
     def created(self, e: Entry) -> None:
         self.drain()

@@ -83,4 +83,9 @@ def test_small_run_is_well_formed(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert worst["below_lru"] == max(row["below_lru"] for v in r["variants"].values() for row in v["rows"])
     r.update(command="python bench/policy_variants.py", date="today", machine="here", wall_s=1.0)
     text = V.render(r, "x.png")
-    assert "trace_counter_keys" in text and "floor met everywhere" in text and "results/x.png" in text
+    verdict = "yes" if r["floor_met_everywhere"] else "no"
+    assert f"floor met everywhere: **{verdict}**" in text
+    assert "trace_counter_keys" in text and "results/x.png" in text
+    r["variants"]["trace_counter_keys"]["rows"][0].update(meets_lru_floor=False)
+    r["floor_met_everywhere"] = False
+    assert "**below floor**" in V.render(r, None) and "floor met everywhere: **no**" in V.render(r, None)

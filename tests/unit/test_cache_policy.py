@@ -260,24 +260,63 @@ def test_the_mode_switches_only_on_a_difference_the_noise_does_not_explain():
     assert d.mode == RECENCY and d.switches == 4
 
 
+def test_a_mode_that_does_not_deliver_what_its_shadow_promised_is_left():
+    """The duel weighs each shadow's hits by what the index earned per shadow hit while in that
+    mode: a frequency shadow that promises 10 % more than recency's, while the index in
+    frequency mode earned about half of what the shadow counted, loses, and its promise does
+    not bring the mode back; with no evidence of its own, or evidence that it over-delivers,
+    the estimate is the shadow's, scaled as recency's."""
+    d = du.Duel()
+    assert d.calibration() == (1.0, 1.0)
+    d.free = False
+    d.mode = FREQUENCY
+    d.hits = [1000.0, 1100.0]
+    d.decide()
+    assert d.mode == FREQUENCY  # uncalibrated, the promise stands
+    d.real = [0.0, 600.0]
+    d.shadowed = [0.0, 1100.0]
+    k_rec, k_freq = d.calibration()
+    assert k_rec == 1.0 and k_freq == pytest.approx((600 + du.PRIOR_HITS) / (1100 + du.PRIOR_HITS))
+    d.decide()  # 1100 * 0.81 = 896, recency 12 % ahead and past the noise
+    assert d.mode == RECENCY and d.switches == 1
+    d.decide()
+    assert d.mode == RECENCY and d.switches == 1, "re-entered on the same promise"
+    d.real = [0.0, 2000.0]  # the index in frequency mode earned more than its shadow counted
+    assert d.calibration()[1] == d.calibration()[0], "a calibration may take back a promise, not make one"
+
+
+def test_the_index_own_hits_calibrate_the_mode_it_is_in():
+    """``observe`` counts the index's own prefix hits on the sampled keys (all of them at a
+    sample of 1 in 1) for the mode it is in, and nothing before the first eviction."""
+    d = du.Duel()
+    keys = [k(i) for i in range(10)]
+    d.observe(keys, 100, 3)
+    assert d.real == [0.0, 0.0], "counted while free"
+    d.free = False
+    d.observe(keys, 100, 4)
+    assert d.real[RECENCY] == pytest.approx(4.0, rel=0.01) and d.real[FREQUENCY] == 0.0
+    assert d.shadowed[RECENCY] == pytest.approx(10.0, rel=0.01)  # the shadow holds all ten now
+
+
 def test_the_mode_is_free_until_the_first_eviction():
-    """Before anything is evicted (or declined) both modes have stored the same blocks: a
-    significant lead is enough, with no margin and no hysteresis; an insignificant one, or a
-    tie, leaves (or puts back) the default recency mode, so that the index does not leave the
-    free phase in a mode the evidence did not choose. From then on, the margin too."""
+    """Before anything is evicted (or declined) both modes have stored the same blocks: the mode
+    is what the rule for entering frequency mode says now, with no hysteresis; a lead the noise
+    or the margin explains, or a tie, leaves (or puts back) the default recency mode, so that
+    the index does not leave the free phase in a mode it would not have entered later. From
+    then on, leaving frequency mode takes recency's margin."""
     d = du.Duel()
     assert d.mode == RECENCY and d.free
     d.choose(100.0, 101.0)  # one hit ahead: noise
     assert d.mode == RECENCY and d.switches == 0
-    d.choose(1000.0, 1040.0)  # 40 < 2 * sqrt(2040) = 90: not significant
-    assert d.mode == RECENCY
-    d.choose(1000.0, 1100.0)  # 100 > 2 * sqrt(2100) = 92: significant, margin not needed yet
+    d.choose(10_000.0, 10_400.0)  # significant (400 > 2 * sqrt(20400) = 286) but 4 %: under the margin
+    assert d.mode == RECENCY and d.switches == 0
+    d.choose(10_000.0, 10_600.0)  # 6 % and significant: enters
     assert d.mode == FREQUENCY and d.switches == 1
-    d.choose(1000.0, 1000.0)  # the lead gone: back to the default, free of charge
+    d.choose(10_000.0, 10_400.0)  # the lead under the margin again: back, free of charge
     assert d.mode == RECENCY and d.switches == 2
-    d.choose(1000.0, 1100.0)
+    d.choose(10_000.0, 10_600.0)
     d.free = False
-    d.choose(1000.0, 1000.0)  # now a switch costs: frequency stays until recency clearly earns more
+    d.choose(10_000.0, 10_000.0)  # now a switch costs: frequency stays until recency clearly earns more
     assert d.mode == FREQUENCY and d.switches == 3
     idx = make(slots=8)
     for i in range(8):
@@ -324,7 +363,7 @@ def test_the_shadow_sample_is_even_for_structured_keys(layout: str):
     keys that are counters or carry a tenant tag, every chain position must still be sampled at
     about 1 in s, or the shadows see the same positions of every chain (a sample taken from a
     key's last bytes takes all of them or none, and chose the wrong mode on the trace)."""
-    s, n = 4, 40_000
+    n = 40_000
 
     def key(i: int) -> bytes:
         if layout == "big-endian counter":
@@ -333,11 +372,14 @@ def test_the_shadow_sample_is_even_for_structured_keys(layout: str):
             return i.to_bytes(16, "little")
         return i.to_bytes(12, "little") + b"tnt7"
 
-    taken = [0] * 8
-    for i in range(n):
-        taken[i % 8] += du.sampled(key(i), s)
-    shares = [t / (n / 8) for t in taken]
-    assert all(0.2 < x < 0.3 for x in shares), shares  # 1 in 4 at every position
+    for s in (3, 4, 8):  # 1 in s at every position, s a power of two or not
+        taken = [0] * 8
+        for i in range(n):
+            taken[i % 8] += du.sampled(key(i), s)
+        shares = [t / (n / 8) * s for t in taken]
+        assert all(0.75 < x < 1.25 for x in shares), (s, shares)
+    # Threshold sampling: the sample for 2s is part of the sample for s.
+    assert all(du.sampled(key(i), 4) for i in range(n) if du.sampled(key(i), 8))
     assert all(du.sampled(key(i), 1) for i in range(100))
 
 
