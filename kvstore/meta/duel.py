@@ -1,7 +1,8 @@
 """How the adaptive cache policy (:mod:`kvstore.meta.policy`) chooses its mode: two shadow caches,
 one per mode, each the mode in miniature, replay a hash-sampled 1 in S of the keys and count
 their prefix hits on them, and :class:`Duel` moves the policy to the mode whose shadow clearly
-earns more (set dueling, Qureshi et al., ISCA 2007; the regret idea of LeCaR, Vietri et al.,
+earns more, each shadow's hits weighed by what the index itself earned per shadow hit in that
+mode (:meth:`Duel.calibration`) (set dueling, Qureshi et al., ISCA 2007; the regret idea of LeCaR, Vietri et al.,
 HotStorage 2018; spatial sampling as in SHARDS, Waldspurger et al., FAST 2015).
 
 A shadow takes a request's sampled keys in chain order and returns its prefix hits; both
@@ -135,7 +136,7 @@ class ShadowLfu:
 
 class Duel:
     """The mode choice. Shadows replay 1 in ``s`` keys (s = blocks indexed / SHADOW_BLOCKS,
-    changed when that doubles or halves, and the shadows start over), each sized to what 1 in
+    changed when that doubles or falls to a quarter, and the shadows start over), each sized to what 1 in
     ``s`` of the index holds; their prefix hits decay with a half-life of AGE_FACTOR x a
     shadow's size in sampled accesses (the window the policy's counts age over).
 
@@ -164,18 +165,21 @@ class Duel:
         self.real = [0.0, 0.0]
         self.shadowed = [0.0, 0.0]
 
-    def observe(self, keys: Sequence[bytes], indexed: int, held: int = 0) -> None:
+    def observe(self, keys: Sequence[bytes], indexed: int, held: int) -> None:
         """A request's keys, with ``indexed`` blocks in the index, which held the first ``held``."""
         self.keys_in[self.mode] += len(keys)
         want = max(1, indexed // SHADOW_BLOCKS)
-        if want >= 2 * self.s or 2 * want <= self.s:
+        # Up when the index doubles, down when it is a quarter: an index whose size hovers at
+        # a boundary does not start its shadows over at every request.
+        if want >= 2 * self.s or 4 * want <= self.s:
             self._reset(want)
         s = self.s
         size = max(MIN_SHADOW, indexed // s)
-        sample = [k for k in keys if sampled(k, s)]
+        taken = [sampled(k, s) for k in keys]
+        sample = [k for k, t in zip(keys, taken) if t]
         if not sample:
             return
-        real = len(sample) if held >= len(keys) else sum(1 for k in keys[:held] if sampled(k, s))
+        real = sum(taken[:held])  # the index's prefix hits on the sampled keys
         decay = 0.5 ** (len(sample) / (AGE_FACTOR * size))
         hits, cal_real, cal_shadow = self.hits, self.real, self.shadowed
         got = [0, 0]
@@ -220,7 +224,8 @@ class Duel:
         return k_rec, min(k_freq, k_rec)
 
     def choose(self, lru: float, lfu: float) -> None:
-        """Switches mode only on evidence: into frequency mode (which declines blocks) when its
+        """Switches mode only on evidence, given each mode's calibrated shadow hits (``lru``,
+        ``lfu``; see :meth:`decide`): into frequency mode (which declines blocks) when its
         shadow earns MARGIN more than recency's, back when recency's earns MARGIN more than
         frequency's, and either switch needs a difference above SIGNIFICANCE standard deviations
         of the counting noise (hit counts of sampled keys: about Poisson, so sqrt(lfu + lru) for

@@ -88,7 +88,7 @@ class LruPolicy:
     def frequency_mode(self) -> bool:
         return False
 
-    def access(self, keys: Sequence[bytes], hits: int = 0) -> None:
+    def access(self, keys: Sequence[bytes], hits: int) -> None:
         """A read of ``keys`` (a request's chain, hits and misses), of which the index held the
         first ``hits``."""
 
@@ -165,7 +165,7 @@ class AdaptivePolicy(LruPolicy):
     def _history_limit(self) -> int:
         return min(HISTORY_MAX, HISTORY_FACTOR * self._population())
 
-    def access(self, keys: Sequence[bytes], hits: int = 0) -> None:
+    def access(self, keys: Sequence[bytes], hits: int) -> None:
         if not self.defer:
             self._access(keys, hits)
             return

@@ -283,6 +283,12 @@ def test_a_mode_that_does_not_deliver_what_its_shadow_promised_is_left():
     assert d.mode == RECENCY and d.switches == 1, "re-entered on the same promise"
     d.real = [0.0, 2000.0]  # the index in frequency mode earned more than its shadow counted
     assert d.calibration()[1] == d.calibration()[0], "a calibration may take back a promise, not make one"
+    # Recency's ratio from evidence of its own: what the index earned over what its shadow counted.
+    d.real = [3000.0, 600.0]
+    d.shadowed = [2400.0, 1100.0]
+    k_rec, k_freq = d.calibration()
+    assert k_rec == pytest.approx((3000 + du.PRIOR_HITS) / (2400 + du.PRIOR_HITS))
+    assert k_freq == pytest.approx((600 + k_rec * du.PRIOR_HITS) / (1100 + du.PRIOR_HITS))
 
 
 def test_the_index_own_hits_calibrate_the_mode_it_is_in():
@@ -296,6 +302,47 @@ def test_the_index_own_hits_calibrate_the_mode_it_is_in():
     d.observe(keys, 100, 4)
     assert d.real[RECENCY] == pytest.approx(4.0, rel=0.01) and d.real[FREQUENCY] == 0.0
     assert d.shadowed[RECENCY] == pytest.approx(10.0, rel=0.01)  # the shadow holds all ten now
+    # At 1 in s, only the sampled keys of the held run count.
+    d = du.Duel()
+    d.free = False
+    indexed = 8 * du.SHADOW_BLOCKS
+    d.observe([k(0)], indexed, 0)  # sets s = 8
+    assert d.s == 8
+    keys = [k(i) for i in range(400)]
+    d.real = [0.0, 0.0]
+    d.observe(keys, indexed, 150)
+    want = sum(du.sampled(x, 8) for x in keys[:150])
+    assert 0 < want < 150 and d.real[RECENCY] == pytest.approx(want, rel=0.01)
+
+
+def test_the_index_reports_its_own_hits_to_the_duel():
+    """``acquire`` and ``touch`` hand the policy the run the index held: the duel's calibration
+    counts exactly those keys (1 in 1 at this size)."""
+    idx = make(slots=8)
+    store(idx, 1, 2, 3)
+    idx.policy.duel.free = False
+    idx.policy.duel.real = [0.0, 0.0]
+    read(idx, 1, 2, 3, 4, 5)  # 3 of 5 held
+    assert idx.policy.duel.real[RECENCY] == pytest.approx(3.0, rel=0.01)
+    idx.touch([pk(1, 2, 9)])  # 2 of 3 held
+    assert idx.policy.duel.real[RECENCY] == pytest.approx(5.0, rel=0.01)
+
+
+def test_shadows_start_over_when_the_index_doubles_not_at_every_crossing():
+    d = du.Duel()
+    b = 2 * du.SHADOW_BLOCKS
+    d.observe([k(0)], b, 0)
+    assert d.s == 2
+    shadows = d.shadows
+    for i in range(20):  # hovering at the boundary
+        d.observe([k(i)], b - (i % 2), 0)
+    assert d.shadows is shadows and d.s == 2
+    d.observe([k(0)], 4 * b, 0)  # doubled twice: up
+    assert d.s == 8 and d.shadows is not shadows
+    d.observe([k(0)], 2 * b - 1, 0)  # under half: stays
+    assert d.s == 8
+    d.observe([k(0)], b, 0)  # a quarter: down
+    assert d.s == 2
 
 
 def test_the_mode_is_free_until_the_first_eviction():
@@ -378,8 +425,10 @@ def test_the_shadow_sample_is_even_for_structured_keys(layout: str):
             taken[i % 8] += du.sampled(key(i), s)
         shares = [t / (n / 8) * s for t in taken]
         assert all(0.75 < x < 1.25 for x in shares), (s, shares)
-    # Threshold sampling: the sample for 2s is part of the sample for s.
+    # Threshold sampling: a sparser sample is part of a denser one, whatever the two rates
+    # (a sample by remainders is not: 1 in 4 is no part of 1 in 3).
     assert all(du.sampled(key(i), 4) for i in range(n) if du.sampled(key(i), 8))
+    assert all(du.sampled(key(i), 3) for i in range(n) if du.sampled(key(i), 4))
     assert all(du.sampled(key(i), 1) for i in range(100))
 
 
