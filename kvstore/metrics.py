@@ -217,6 +217,15 @@ class MetaCollector:
             "Times the adaptive cache policy changed mode",
             pol.get("policy_mode_switches", 0),
         )
+        cal = GaugeMetricFamily(
+            "kvstore_meta_policy_calibration",
+            "Prefix hits the index earned per hit of the mode's shadow cache while in that mode (1: the shadow "
+            "predicts the index; the adaptive policy weighs each shadow by it)",
+            labels=["mode"],
+        )
+        for mode in ("recency", "frequency"):
+            cal.add_metric([mode], pol.get(f"policy_{mode}_calibration_permille", 1000) / 1000)
+        yield cal
         yield GaugeMetricFamily(
             "kvstore_meta_puts_outstanding", "Put reservations not yet committed", value=len(idx.puts)
         )

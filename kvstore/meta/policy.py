@@ -273,6 +273,7 @@ class AdaptivePolicy(LruPolicy):
             **{f"policy_{m}_keys": n for m, n in zip(MODES, self.duel.keys_in)},
             "policy_history": len(self.history),
             "policy_epoch": self.epoch,
+            **{f"policy_{m}_calibration_permille": round(1000 * k) for m, k in zip(MODES, self.duel.calibration())},
         }
 
 

@@ -289,6 +289,11 @@ def test_a_mode_that_does_not_deliver_what_its_shadow_promised_is_left():
     k_rec, k_freq = d.calibration()
     assert k_rec == pytest.approx((3000 + du.PRIOR_HITS) / (2400 + du.PRIOR_HITS))
     assert k_freq == pytest.approx((600 + k_rec * du.PRIOR_HITS) / (1100 + du.PRIOR_HITS))
+    idx = make(slots=8)
+    idx.policy.duel = d  # exported for the metrics, in thousandths
+    st = idx.policy.stats()
+    assert st["policy_recency_calibration_permille"] == round(1000 * k_rec)
+    assert st["policy_frequency_calibration_permille"] == round(1000 * k_freq)
 
 
 def test_the_index_own_hits_calibrate_the_mode_it_is_in():
