@@ -197,7 +197,9 @@ class Duel:
     def decide(self) -> None:
         """Chooses the mode from the shadows' hits, calibrated (see :meth:`calibration`)."""
         k_rec, k_freq = self.calibration()
-        self.choose(k_rec * self.hits[RECENCY], k_freq * self.hits[FREQUENCY])
+        lru, lfu = self.hits
+        # Poisson noise is the raw counts'; a count weighed by k has k times its deviation.
+        self.choose(k_rec * lru, k_freq * lfu, k_rec * k_rec * lru + k_freq * k_freq * lfu)
 
     def calibration(self) -> tuple[float, float]:
         """What the index earns per hit of each mode's shadow: its own prefix hits on the sampled
@@ -223,18 +225,18 @@ class Duel:
         k_freq = (self.real[FREQUENCY] + k_rec * PRIOR_HITS) / (self.shadowed[FREQUENCY] + PRIOR_HITS)
         return k_rec, min(k_freq, k_rec)
 
-    def choose(self, lru: float, lfu: float) -> None:
+    def choose(self, lru: float, lfu: float, var: float | None = None) -> None:
         """Switches mode only on evidence, given each mode's calibrated shadow hits (``lru``,
         ``lfu``; see :meth:`decide`): into frequency mode (which declines blocks) when its
         shadow earns MARGIN more than recency's, back when recency's earns MARGIN more than
         frequency's, and either switch needs a difference above SIGNIFICANCE standard deviations
         of the counting noise (hit counts of sampled keys: about Poisson, so sqrt(lfu + lru) for
-        their difference). A difference the noise or the margin explains changes nothing: each
+        their difference, or sqrt(``var``) for counts that were weighed). A difference the noise or the margin explains changes nothing: each
         switch costs the blocks the new mode would not have kept. While the switch is free (see
         the class), the mode is what the rule for entering frequency mode says now: no
         hysteresis, and recency (plain LRU) unless the evidence is there."""
         d = lfu - lru
-        noise = SIGNIFICANCE * math.sqrt(lfu + lru)
+        noise = SIGNIFICANCE * math.sqrt(lfu + lru if var is None else var)
         enter = d > noise and lfu > lru * (1 + MARGIN)
         if self.free or self.mode == RECENCY:
             mode = FREQUENCY if enter else RECENCY

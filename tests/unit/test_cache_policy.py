@@ -25,7 +25,7 @@ def make(slots: int = 8, policy: str = "adaptive", frequency: bool | None = None
     if frequency is not None:
         # Pin the mode: these tests are about what each mode does.
         idx.policy.duel.mode = FREQUENCY if frequency else RECENCY
-        idx.policy.duel.choose = lambda lru, lfu: None  # type: ignore[method-assign]
+        idx.policy.duel.choose = lambda *args: None  # type: ignore[method-assign]
     return idx
 
 
@@ -258,6 +258,12 @@ def test_the_mode_switches_only_on_a_difference_the_noise_does_not_explain():
     assert d.mode == FREQUENCY and d.switches == 3
     d.choose(10_600.0, 10_000.0)  # 6 %, and 600 > 2 * sqrt(20600) = 287
     assert d.mode == RECENCY and d.switches == 4
+    # Weighed counts carry the raw counts' noise, scaled: 400 more of 6000 (7 %), from 5000 raw
+    # hits weighed by 1.2 (noise 2 * 1.2 * sqrt(5000) = 170): significant; by 3 (noise 424): not.
+    d.choose(6_000.0, 6_400.0, var=1.2**2 * 5000)
+    assert d.mode == FREQUENCY and d.switches == 5
+    d.choose(6_400.0, 6_000.0, var=3.0**2 * 5000)
+    assert d.mode == FREQUENCY and d.switches == 5
 
 
 def test_a_mode_that_does_not_deliver_what_its_shadow_promised_is_left():
