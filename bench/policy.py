@@ -37,8 +37,9 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -390,6 +391,29 @@ def summarize(stream: Stream, capacity: int, raw: dict[str, dict]) -> dict:
     return row
 
 
+_COST = {"kvstore": 4, "kvstore_lru": 4, "kvstore_suffix": 4, "optimal": 2, "arc": 2, "s3fifo": 2}
+
+
+def replay_tasks(
+    tasks: Sequence[tuple[str, int, str]], jobs: int, progress: bool = True
+) -> Iterator[tuple[str, int, str, dict, float]]:
+    """Runs each (stream name, capacity, policy) over the streams in ``_STREAMS``, longest first
+    (kvstore is the slowest, long streams before short) so that workers finish together, in
+    ``jobs`` forked workers (they read ``_STREAMS``, never pickle it) or in this process; yields
+    what :func:`_task` returns, as tasks finish, with a progress bar."""
+    tasks = sorted(tasks, key=lambda t: -_STREAMS[t[0]].refs * _COST.get(t[2], 1))
+    workers = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) if jobs > 1 else None
+    with tqdm(total=len(tasks), desc="policy", unit="run", disable=not progress) as bar, workers or nullcontext():
+        if workers is not None:
+            done: Iterator = (f.result() for f in as_completed([workers.submit(_task, *t) for t in tasks]))
+        else:
+            done = (_task(*t) for t in tasks)
+        for got in done:
+            bar.set_postfix_str(" ".join(map(str, got[:3])))
+            bar.update(1)
+            yield got
+
+
 def run(
     quick: bool = False,
     workloads: Sequence[str] | None = None,
@@ -430,30 +454,12 @@ def run(
     result["stream_build_s"] = round(time.perf_counter() - t_build, 1)
 
     tasks = [(n, c, p) for n in names for c in caps for p in policies]
-    # Longest first (kvstore is the slowest, long streams before short) so two workers finish together.
-    cost = {"kvstore": 4, "kvstore_lru": 4, "kvstore_suffix": 4, "optimal": 2, "arc": 2, "s3fifo": 2}
-    tasks.sort(key=lambda t: -_STREAMS[t[0]].refs * cost.get(t[2], 1))
     raw: dict[tuple[str, int], dict[str, dict]] = {}
     seconds: dict[str, float] = dict.fromkeys(policies, 0.0)
     t_run = time.perf_counter()
-    with tqdm(total=len(tasks), desc="policy", unit="run", disable=not progress) as bar:
-        if jobs > 1:
-            ctx = multiprocessing.get_context("fork")
-            with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-                futs = [pool.submit(_task, *t) for t in tasks]
-                for f in as_completed(futs):
-                    n, c, p, out, dt = f.result()
-                    raw.setdefault((n, c), {})[p] = out
-                    seconds[p] += dt
-                    bar.set_postfix_str(f"{n} {c} {p}")
-                    bar.update(1)
-        else:
-            for t in tasks:
-                n, c, p, out, dt = _task(*t)
-                raw.setdefault((n, c), {})[p] = out
-                seconds[p] += dt
-                bar.set_postfix_str(f"{n} {c} {p}")
-                bar.update(1)
+    for n, c, p, out, dt in replay_tasks(tasks, jobs, progress):
+        raw.setdefault((n, c), {})[p] = out
+        seconds[p] += dt
     result["policy_cpu_s"] = {p: round(v, 1) for p, v in seconds.items()}
     result["run_s"] = round(time.perf_counter() - t_run, 1)
     for name in names:

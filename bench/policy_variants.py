@@ -31,13 +31,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing
 import os
 import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import cache
 from pathlib import Path
 
@@ -49,7 +47,7 @@ if str(REPO) not in sys.path:
 
 from bench import policy as P  # noqa: E402
 from bench.report import machine, update_section  # noqa: E402
-from bench.workloads import make  # noqa: E402
+from bench.workloads import KEYSPACE, make  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 POLICIES = ("kvstore", "lru", "tail_first_lru", "optimal")
@@ -97,7 +95,7 @@ def variants() -> dict[str, Callable[[], tuple[list[list[bytes]], str]]]:
 
     def no_head() -> tuple[list[list[bytes]], str]:
         keys = [list(ks) for ks in _trace_keys()]
-        per_hash = P.FULL["trace"]["tokens_per_hash_block"] // 16
+        per_hash = P.FULL["trace"]["tokens_per_hash_block"] // KEYSPACE.block_size
         return [ks[per_hash:] for ks in keys if len(ks) > per_hash], "each request without its first hash block"
 
     def shuffled() -> tuple[list[list[bytes]], str]:
@@ -111,8 +109,7 @@ def variants() -> dict[str, Callable[[], tuple[list[list[bytes]], str]]]:
         return out, f"requests shuffled within windows of {SHUFFLE_WINDOW}"
 
     def counter_keys() -> tuple[list[list[bytes]], str]:
-        keys = [list(ks) for ks in _trace_keys()]
-        return _counters(keys), "every block named by a 16-byte big-endian counter, not a hash"
+        return _counters(_trace_keys()), "every block named by a 16-byte big-endian counter, not a hash"
 
     def synthetic(name: str, seed: int) -> Callable[[], tuple[list[list[bytes]], str]]:
         def build() -> tuple[list[list[bytes]], str]:
@@ -135,10 +132,6 @@ def variants() -> dict[str, Callable[[], tuple[list[list[bytes]], str]]]:
     }
 
 
-def _task(name: str, capacity: int, policy: str) -> tuple[str, int, str, dict, float]:
-    return P._task(name, capacity, policy)
-
-
 def run(names: Sequence[str], caps: Sequence[int], jobs: int, progress: bool = True) -> dict:
     builders = variants()
     result: dict = {"capacities": list(caps), "lru_floor": P.LRU_FLOOR, "variants": {}}
@@ -148,24 +141,9 @@ def run(names: Sequence[str], caps: Sequence[int], jobs: int, progress: bool = T
             P._STREAMS[name] = s = P.Stream.from_keys(name, keys)
             result["variants"][name] = {"what": what, **s.profile()}
         tasks = [(n, c, p) for n in names for c in caps for p in POLICIES]
-        cost = {"kvstore": 4, "optimal": 2}
-        tasks.sort(key=lambda t: -P._STREAMS[t[0]].refs * cost.get(t[2], 1))
         raw: dict[tuple[str, int], dict[str, dict]] = {}
-        with tqdm(total=len(tasks), desc="policy", unit="run", disable=not progress) as bar:
-            if jobs > 1:
-                ctx = multiprocessing.get_context("fork")  # workers read P._STREAMS, never pickle it
-                with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-                    done = (f.result() for f in as_completed([pool.submit(_task, *t) for t in tasks]))
-                    for n, c, p, out, _ in done:
-                        raw.setdefault((n, c), {})[p] = out
-                        bar.set_postfix_str(f"{n} {c} {p}")
-                        bar.update(1)
-            else:
-                for t in tasks:
-                    n, c, p, out, _ = _task(*t)
-                    raw.setdefault((n, c), {})[p] = out
-                    bar.set_postfix_str(f"{n} {c} {p}")
-                    bar.update(1)
+        for n, c, p, out, _ in P.replay_tasks(tasks, jobs, progress):
+            raw.setdefault((n, c), {})[p] = out
         worst = None
         for name in names:
             refs = P._STREAMS[name].refs

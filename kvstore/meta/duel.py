@@ -2,8 +2,9 @@
 one per mode, each the mode in miniature, replay a hash-sampled 1 in S of the keys and count
 their prefix hits on them, and :class:`Duel` moves the policy to the mode whose shadow clearly
 earns more, each shadow's hits weighed by what the index itself earned per shadow hit in that
-mode (:meth:`Duel.calibration`) (set dueling, Qureshi et al., ISCA 2007; the regret idea of LeCaR, Vietri et al.,
-HotStorage 2018; spatial sampling as in SHARDS, Waldspurger et al., FAST 2015).
+mode (:meth:`Duel.calibration`). Set dueling: Qureshi et al., ISCA 2007; the regret idea of
+LeCaR: Vietri et al., HotStorage 2018; spatial sampling as in SHARDS: Waldspurger et al., FAST
+2015.
 
 A shadow takes a request's sampled keys in chain order and returns its prefix hits; both
 shadows touch a request's blocks tail first, as the index does, so a chain's head is the most
@@ -136,8 +137,8 @@ class ShadowLfu:
 
 class Duel:
     """The mode choice. Shadows replay 1 in ``s`` keys (s = blocks indexed / SHADOW_BLOCKS,
-    changed when that doubles or falls to a quarter, and the shadows start over), each sized to what 1 in
-    ``s`` of the index holds; their prefix hits decay with a half-life of AGE_FACTOR x a
+    changed when that doubles or falls to a quarter, and the shadows start over), each sized to
+    what 1 in ``s`` of the index holds; their prefix hits decay with a half-life of AGE_FACTOR x a
     shadow's size in sampled accesses (the window the policy's counts age over).
 
     The mode starts as recency (plain LRU). Until the index first needs room (the policy is
@@ -231,8 +232,9 @@ class Duel:
         shadow earns MARGIN more than recency's, back when recency's earns MARGIN more than
         frequency's, and either switch needs a difference above SIGNIFICANCE standard deviations
         of the counting noise (hit counts of sampled keys: about Poisson, so sqrt(lfu + lru) for
-        their difference, or sqrt(``var``) for counts that were weighed). A difference the noise or the margin explains changes nothing: each
-        switch costs the blocks the new mode would not have kept. While the switch is free (see
+        their difference, or sqrt(``var``) for counts that were weighed). A difference the noise
+        or the margin explains changes nothing: each switch costs the blocks the new mode would
+        not have kept. While the switch is free (see
         the class), the mode is what the rule for entering frequency mode says now: no
         hysteresis, and recency (plain LRU) unless the evidence is there."""
         d = lfu - lru

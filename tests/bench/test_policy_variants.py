@@ -42,7 +42,8 @@ def test_each_variant_is_what_it_says(variants: dict) -> None:
     base = [list(ks) for ks in small_trace()]
     n = len(base)
     assert variants["trace_first_half"] + variants["trace_second_half"] == base
-    per_hash = P.FULL["trace"]["tokens_per_hash_block"] // 16
+    per_hash = 2  # 32 tokens per hash block, 16 per store block
+    assert P.FULL["trace"]["tokens_per_hash_block"] == 32
     assert variants["trace_no_shared_head"] == [ks[per_hash:] for ks in base if len(ks) > per_hash]
     # Shuffled: the same requests, each within its window.
     shuffled = variants["trace_shuffled"]
