@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.extent import CLEARED, HEADER_SIZE, Sealer
+from kvstore.extent import CLEARED, HEADER_SIZE, Sealer, checksum
 
 
 def _check_owner(fd: int, path: str) -> None:
@@ -161,8 +161,12 @@ class ShmArena:
     def commit(self, sealer: Sealer, offset: int, key: bytes, length: int, csum: int, gen: int) -> bool:
         """Writes the sealed header that makes the payload at ``offset`` a committed block
         (the daemon does this when the metadata service commits the put). False if the extent
-        does not fit the segment."""
+        does not fit the segment, or if the payload there is not what ``csum`` says: a put
+        committed before (or without) its bytes were written, or whose bytes were overwritten
+        meanwhile, is never made visible (one xxh3 pass over the block, tens of GB/s)."""
         if not 0 <= offset <= self.size - HEADER_SIZE - length or length < 0:
+            return False
+        if checksum(self.array[offset + HEADER_SIZE : offset + HEADER_SIZE + length]) != csum:
             return False
         self.view[offset : offset + HEADER_SIZE] = sealer.pack(key, length, csum, gen, offset)
         return True

@@ -117,6 +117,8 @@ class SegmentOps:
             except OSError as e:
                 log.warning("event=commit_failed key=%s reason=%r", key.hex(), str(e))
                 st = common_pb2.COMMIT_UNAVAILABLE
+            if st == common_pb2.COMMIT_MISMATCH:
+                log.info("event=commit_refused key=%s segment=%d offset=%d reason=mismatch", key.hex(), seg_id, off)
             status.append(st)
             stored.append(size)
         self.counters["commits"] += status.count(common_pb2.COMMIT_OK)

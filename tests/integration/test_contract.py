@@ -121,6 +121,37 @@ def _forge_uncommitted(meta: str, keys: list[bytes]) -> None:
         arena.close()
 
 
+def test_a_commit_of_bytes_never_written_makes_nothing_visible(cluster):
+    """A writer that commits its reservation without writing the payloads (or after writing
+    other bytes than its checksums name) gets no block committed: lookups do not report it,
+    and the space is given back; the blocks it did write correctly are committed."""
+    cluster.start_meta()
+    cluster.start_daemon(dram="64MiB")
+    keys = chain(4, 700_000)
+    with grpc.insecure_channel(cluster.meta_addr) as ch:
+        stub = meta_pb2_grpc.MetaServiceStub(ch)
+        resp = stub.PutStart(meta_pb2.PutStartRequest(keys=pack_keys(keys), sizes=pack([BLOCK] * 4, U64)), timeout=10)
+        places = locations_from_pb(resp.placements, 4)
+        seg = places[0].daemon.segments[0]
+        arena = ShmArena(seg.shm_path, seg.capacity_bytes)
+        try:  # block 0 written as promised, block 1 with other bytes, blocks 2 and 3 never
+            for i in (0, 1):
+                p = places[i]
+                arena.array[p.offset + HEADER_SIZE : p.offset + HEADER_SIZE + BLOCK] = block(keys[i], i)
+        finally:
+            arena.close()
+        sums = [checksum(block(k)) for k in keys]
+        done = stub.PutCommit(meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack(sums, U64)), timeout=10)
+    assert done.committed == 1
+    st = list(done.status)
+    assert st[0] == common_pb2.COMMIT_OK and all(s != common_pb2.COMMIT_OK for s in st[1:]), st
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.exists(keys) == [True, False, False, False]
+        assert c.stats().keys == 1
+    assert served(cluster.meta_addr, keys, 0, "shm") == 1
+    assert served(cluster.meta_addr, keys, 0, "tcp") == 1
+
+
 def test_restart_after_remove_or_uncommitted_write_resurrects_nothing(cluster):
     """Remove, then SIGKILL the service 0 to 1 s later (60 removals over 12 restarts); and in
     each round a writer that wrote bytes and headers but never committed. After each restart

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
-from kvstore.extent import HEADER_SIZE, Sealer
+from kvstore.extent import HEADER_SIZE, Sealer, checksum
 
 
 def test_remembered_headers_answer_as_a_fresh_check(tmp_path):
@@ -23,7 +23,10 @@ def test_remembered_headers_answer_as_a_fresh_check(tmp_path):
             off = int(rng.integers(0, 4)) * 8192
             what = int(rng.integers(0, 5))
             if what == 0:  # a block committed there
-                arena.commit(sealer, off, rng.bytes(16), int(rng.integers(1, 4000)), int(rng.integers(0, 2**63)), step)
+                n = int(rng.integers(1, 4000))
+                arena.view[off + HEADER_SIZE : off + HEADER_SIZE + n] = rng.bytes(n)
+                csum = checksum(arena.array[off + HEADER_SIZE : off + HEADER_SIZE + n])
+                assert arena.commit(sealer, off, rng.bytes(16), n, csum, step)
                 seen.append((off, bytes(arena.view[off : off + HEADER_SIZE])))
             elif what == 1:  # invalidated
                 arena.clear_header(off)
