@@ -17,7 +17,8 @@ sends the MAC and expiry with each data-port entry, and the daemon serves an ent
 MAC matches what it names and the expiry has not passed (with ``SKEW_S`` of tolerance between
 hosts' clocks). So a peer cannot read or write an extent the service did not give it, nor use a
 read ticket to write, nor one ticket for another extent or generation; a write ticket replayed
-after its block was committed is refused by the daemon (that generation is already sealed there).
+after its block was committed, or used after its reservation ended and the extent went to a later
+put, is refused by the daemon (that generation, or a later one, is already sealed there).
 
 Keyed BLAKE2b is a MAC by design (RFC 7693 section 3.3; no HMAC construction needed), and costs
 about a microsecond per placement in Python.
@@ -115,4 +116,65 @@ def check(
         return "ticket expired"
     if not hmac.compare_digest(tag, mac(key, op, segment_id, offset, length, gen, expiry, block)):
         return "ticket does not match this entry (another extent, generation, operation or daemon key)"
+    return ""
+
+
+# ---- control calls -----------------------------------------------------------------------------
+#
+# Where the service has identities (meta.auth_file) but the control channel has no mutual TLS, the
+# daemon's control API (commit, invalidate, move, inventory) must still obey the service alone: a
+# peer that can reach the control port could otherwise list every tenant's blocks, drop them, or
+# seal one tenant's extent under another tenant's key. The service signs each call with the key the
+# daemon handed it at registration (the ticket key: no other secret to distribute), over the method,
+# the shard, a wall-clock stamp and the request's deterministic encoding:
+#
+#     kvstore-control: "<shard>.<stamp>.<mac hex>"
+#     mac = BLAKE2b-128(key = ticket key, person = "kvstore-control",
+#                       shard u32 | stamp u64 | method | 0 | request bytes)
+#
+# The daemon accepts a stamp within its ticket skew of its own clock. Without TLS a peer that sees
+# a call may replay that same call within the skew (the calls are idempotent or checked by
+# generation); it cannot make a new one.
+
+CONTROL_MD = "kvstore-control"
+_CONTROL_HEAD = struct.Struct("<IQ")
+
+
+def control_mac(key: bytes, method: str, shard: int, stamp: int, body: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=MAC_BYTES, key=key, person=b"kvstore-control")
+    h.update(_CONTROL_HEAD.pack(shard, stamp))
+    h.update(method.encode() + b"\0")
+    h.update(body)
+    return h.digest()
+
+
+def sign_control(key: bytes, method: str, shard: int, body: bytes) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata that signs a control call (none without a key)."""
+    if not key:
+        return ()
+    stamp = int(time.time())
+    return ((CONTROL_MD, f"{shard}.{stamp}.{control_mac(key, method, shard, stamp, body).hex()}"),)
+
+
+def parse_control(value: str) -> tuple[int, int, bytes] | None:
+    """(shard, stamp, mac) of a control signature, None if it is not one."""
+    parts = value.split(".")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or len(parts[2]) != 2 * MAC_BYTES:
+        return None
+    try:
+        tag = bytes.fromhex(parts[2])
+    except ValueError:
+        return None
+    shard, stamp = int(parts[0]), int(parts[1])
+    if shard >= 1 << 32 or stamp >= 1 << 64:
+        return None
+    return shard, stamp, tag
+
+
+def check_control(key: bytes, method: str, shard: int, stamp: int, tag: bytes, body: bytes, skew_s: float) -> str:
+    """Why a signed control call is refused ("" when it is not)."""
+    if abs(stamp - time.time()) > skew_s + 1:
+        return f"signature stamp {stamp} is more than {skew_s:.0f} s from this daemon's clock"
+    if not hmac.compare_digest(tag, control_mac(key, method, shard, stamp, body)):
+        return "signature does not match this call (another method, shard, request or key)"
     return ""

@@ -90,6 +90,8 @@ class MetaLink:
         self.epoch = 0
         self.ticket_key = daemon.ticket_key
         self.registered = False  # registered with the current leader (and not forgotten since)
+        # Whether that leader signs tickets (and control calls) with our key: None until it said.
+        self.tickets: bool | None = None
         self.need_register = True
         self.heartbeated = False  # a heartbeat answered since the registration (its tombstones applied)
         self.acked_batch = 0
@@ -160,6 +162,13 @@ class MetaLink:
             self.epoch = resp.epoch
             self.acked_batch = 0
         self.ticket_key = key
+        self.tickets = resp.tickets
+        if not resp.tickets and d.cfg.token and (d.tls is None or not d.tls.enabled):
+            log.warning(
+                "event=control_unauthenticated daemon=%s shard=%d reason=%r", d.daemon_id, self.shard,
+                "the service hands out no tickets and the control channel has no mutual TLS: any peer "
+                "that reaches the data or control port may read, write or drop blocks",
+            )  # fmt: skip
         # The service signs tickets for our placements (meta.data_tickets): require them.
         d.dataport.require_tickets = resp.tickets
         d.counters["registrations"] += 1

@@ -65,38 +65,67 @@ class _Control:
         self.daemon = daemon
         self.peers = {p.strip() for p in daemon.cfg.control_peers.split(",") if p.strip()}
 
-    def _check(self, context) -> None:  # noqa: ANN001
-        """With mutual TLS, only the metadata service's certificate (a common name listed in
-        daemon.control_peers) may drive the daemon; in-process calls carry no context."""
-        if context is None or self.daemon.tls is None or not self.daemon.tls.enabled:
+    def _check(self, context, method: str, request, shard: int | None = None) -> None:  # noqa: ANN001
+        """Only the metadata service may drive the daemon. With mutual TLS: a certificate whose
+        common name is listed in daemon.control_peers. Without it, where the service has
+        identities (this daemon has a token): a call signed with the ticket key the daemon gave
+        that shard's service (:func:`kvstore.tickets.sign_control`), unless that service said it
+        hands out no tickets (then nothing on this daemon is protected, and registration logged
+        it). Without identities the service's own API is open to any peer, and so is this one.
+        In-process calls carry no context."""
+        if context is None:
             return
-        names = {cn.decode(errors="replace") for cn in (context.auth_context() or {}).get("x509_common_name", ())}
-        if not names & self.peers:
-            raise PermissionDenied(
-                f"the control API serves only {sorted(self.peers)}, not {sorted(names) or 'anonymous'}"
-            )
+        d = self.daemon
+        if d.tls is not None and d.tls.enabled:
+            names = {cn.decode(errors="replace") for cn in (context.auth_context() or {}).get("x509_common_name", ())}
+            if not names & self.peers:
+                raise PermissionDenied(
+                    f"the control API serves only {sorted(self.peers)}, not {sorted(names) or 'anonymous'}"
+                )
+            return
+        if not d.cfg.token:
+            return
+        value = dict(context.invocation_metadata() or ()).get(tickets.CONTROL_MD)
+        got = tickets.parse_control(value) if isinstance(value, str) else None
+        if got is None:
+            links = d.links if shard is None else d.links[shard : shard + 1]
+            if links and all(link.tickets is False for link in links):
+                return
+            raise PermissionDenied(f"{method}: the control API serves only the metadata service (an unsigned call)")
+        sig_shard, stamp, tag = got
+        if shard is not None and sig_shard != shard:
+            raise PermissionDenied(f"{method}: signed for shard {sig_shard}, asks for shard {shard}")
+        if sig_shard >= len(d.links):
+            raise PermissionDenied(f"{method}: signed for shard {sig_shard}, this daemon knows {len(d.links)}")
+        link = d.links[sig_shard]
+        why = tickets.check_control(
+            link.ticket_key, method, sig_shard, stamp, tag, request.SerializeToString(deterministic=True),
+            d.cfg.ticket_skew_s,
+        )  # fmt: skip
+        if why:
+            raise PermissionDenied(f"{method}: {why}")
 
     async def Info(self, request, context):
-        self._check(context)
+        self._check(context, "Info", request)
         return self.daemon.info()
 
     async def GetInventory(self, request, context):
-        self._check(context)
+        self._check(context, "GetInventory", request)
         invs, discarded = await asyncio.to_thread(self.daemon.inventory, request.verify)
         return daemon_pb2.InventoryResponse(inventory=invs, discarded=discarded)
 
     async def Move(self, request, context):
-        self._check(context)
+        self._check(context, "Move", request, request.shard)
         self.daemon.check_epoch(request.shard, request.epoch)
         return await asyncio.to_thread(self.daemon.move, request)
 
     async def Commit(self, request, context):
-        self._check(context)
+        self._check(context, "Commit", request, request.shard)
         self.daemon.check_epoch(request.shard, request.epoch)
         return await self.daemon.run(self.daemon.commit, request)
 
     async def Invalidate(self, request, context):
-        self._check(context)
+        self._check(context, "Invalidate", request, request.shard)
         self.daemon.check_epoch(request.shard, request.epoch)
         cleared = await self.daemon.run(self.daemon.invalidate, request.invalidations)
         return daemon_pb2.InvalidateResponse(cleared=cleared)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
+from kvstore import tickets
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.meta.index import CommitStatus, Index, Move, PendingCommit, Replica, Tombstone
 from kvstore.rpc import GRPC_OPTIONS
@@ -61,7 +62,7 @@ class _LocalDaemon:
     def __getattr__(self, method: str):  # noqa: ANN204
         handler = getattr(self.d.control, method)
 
-        async def call(request, timeout=None):  # noqa: ANN001, ANN202
+        async def call(request, timeout=None, metadata=()):  # noqa: ANN001, ANN202
             if self.d.stopping:
                 raise Unavailable(f"daemon {self.d.daemon_id} is stopping")
             return await handler(request, None)
@@ -120,6 +121,16 @@ class DaemonLink:
             cached = self._stubs[daemon_id] = (addr, ch, daemon_pb2_grpc.DaemonControlStub(ch))
         return cached[2]
 
+    def _signed(self, daemon_id: str, method: str, request) -> tuple[tuple[str, str], ...]:  # noqa: ANN001
+        """Metadata that signs a control call with the daemon's ticket key, so that a daemon
+        without mutual TLS obeys this service alone (:func:`kvstore.tickets.sign_control`);
+        none where this service hands out no tickets, or for a daemon in this process."""
+        d = self.index.daemons.get(daemon_id)
+        if d is None or not d.spec.ticket_key or daemon_id in self._local:
+            return ()
+        body = request.SerializeToString(deterministic=True)
+        return tickets.sign_control(d.spec.ticket_key, method, self.shard, body)
+
     # ---- commits ----------------------------------------------------------------------------
 
     async def commit(self, pc: PendingCommit) -> dict[int, tuple[int, int]]:
@@ -154,7 +165,7 @@ class DaemonLink:
             gen=pack([r.gen for r in reps], U64),
         )
         try:
-            resp = await stub.Commit(req, timeout=self.rpc_timeout_s)
+            resp = await stub.Commit(req, timeout=self.rpc_timeout_s, metadata=self._signed(daemon_id, "Commit", req))
             status = unpack(resp.status, U8, "status", len(items))
             stored = unpack(resp.stored_size, U64, "stored_size", len(items))
         except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
@@ -196,10 +207,10 @@ class DaemonLink:
         if stub is None:
             return False
         try:
-            await stub.Invalidate(
-                daemon_pb2.InvalidateRequest(shard=self.shard, epoch=self.epoch, invalidations=invalidations_pb(items)),
-                timeout=self.rpc_timeout_s,
+            req = daemon_pb2.InvalidateRequest(
+                shard=self.shard, epoch=self.epoch, invalidations=invalidations_pb(items)
             )
+            await stub.Invalidate(req, timeout=self.rpc_timeout_s, metadata=self._signed(daemon_id, "Invalidate", req))
         except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
             # Once per outage: every round retries until the daemon answers or its lease lapses.
             level = logging.DEBUG if daemon_id in self._invalidate_failing else logging.WARNING
@@ -260,7 +271,7 @@ class DaemonLink:
             dst_gen=pack([mv.dst.gen for mv in moves], U64),
         )
         try:
-            resp = await stub.Move(req, timeout=self.move_timeout_s)
+            resp = await stub.Move(req, timeout=self.move_timeout_s, metadata=self._signed(daemon_id, "Move", req))
             ok = unpack(resp.ok, U8, "ok", len(moves))
             stored = unpack(resp.stored_size, U64, "stored_size", len(moves))
         except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:

@@ -182,3 +182,42 @@ def test_a_service_with_tenants_offers_no_lookup_port(tenants):
     with client(tenants, "a") as c:
         c.lookup(KEYS)
         assert c._client.lookup_port is None
+
+
+def test_without_tls_only_the_service_drives_a_daemon(tenants):
+    """The daemon's control API obeys calls signed with the key it gave the service: a peer
+    that reaches the control port can neither list the tenants' blocks, nor drop them, nor seal
+    an extent under another key, unsigned or signed with a key of its own; the service's own
+    commits and invalidations go through."""
+    import os
+
+    from kvstore import tickets
+    from kvstore.v1 import daemon_pb2, daemon_pb2_grpc
+
+    with client(tenants, "a") as a:
+        assert a.put(KEYS, DA).stored == len(KEYS)  # the service's commits are accepted
+    daemon = tenants.procs[1]
+    calls = {
+        "GetInventory": daemon_pb2.InventoryRequest(),
+        "Invalidate": daemon_pb2.InvalidateRequest(shard=0),
+        "Commit": daemon_pb2.CommitRequest(shard=0, keys=KEYS[0], segment=b"\x01\0\0\0", offset=bytes(8)),
+        "Move": daemon_pb2.MoveRequest(shard=0),
+        "Info": daemon_pb2.InfoRequest(),
+    }
+    with grpc.insecure_channel(f"127.0.0.1:{daemon.info['control_port']}") as ch:
+        stub = daemon_pb2_grpc.DaemonControlStub(ch)
+        for method, req in calls.items():
+            body = req.SerializeToString(deterministic=True)
+            for md in (None, tickets.sign_control(os.urandom(32), method, 0, body), [(tickets.CONTROL_MD, "0.1.zz")]):
+                with pytest.raises(grpc.RpcError) as e:
+                    getattr(stub, method)(req, metadata=md, timeout=10)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (method, md)
+                assert "control API" in e.value.details() or "signature" in e.value.details()
+    with client(tenants, "a") as a:
+        n, out = get(a)
+        assert n == len(KEYS) and all(np.array_equal(x, y) for x, y in zip(out, DA))
+    # The service's invalidations are accepted: an admin's removal reaches the daemon at once.
+    assert raw(tenants, "ops", "Remove", meta_pb2.KeysRequest(keys=b"".join(KEYS), tenant="tenant-a")).count == len(
+        KEYS
+    )
+    assert "invalidate_failed" not in tenants.procs[0].log_path.read_text()
