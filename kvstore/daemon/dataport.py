@@ -14,8 +14,11 @@ committed block of that offset, key, length and generation, so a frame's lengths
 allocation beyond what the daemon stores.
 
 A WRITE only lands payload bytes (DRAM: into the extent, after clearing its header; SSD: a
-pending block); the block is stored only when the metadata service commits the put. A READ is
-served only from a committed block of the named key and generation.
+pending block); the block is stored only when the metadata service commits the put. With
+tickets, a WRITE entry is refused (MISMATCH, its payload drained) when its extent already holds a
+committed block of the ticket's generation or a later one: the service's generations only
+increase, so that is a replayed ticket, or one that outlived its reservation while the extent
+went to a later put. A READ is served only from a committed block of the named key and generation.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from kvstore.transport.frames import (
 from kvstore.transport.sealed import REQUEST_BYTES, UPGRADE, server_upgrade
 
 log = logging.getLogger("kvstore.daemon.dataport")
+
+_STAGING_MIN = 4 << 20  # a connection's staging buffer for SSD writes, at least
 
 
 class DataPort(ReadServing):
@@ -261,11 +266,12 @@ class DataPort(ReadServing):
         status = bytearray(len(entries))
         total = 0
         for i, ((key, _s, _e, off, length, csum, gen, _t), seg) in enumerate(zip(entries, arenas)):
-            if self.require_tickets and self._sealed(seg, off, gen):
-                # That generation is already committed there: a replayed write ticket must not
-                # touch it (without tickets any peer may write anyway, so nothing is checked).
-                if not recv_exact(conn, memoryview(self._staging(length))):
-                    raise ConnectionError("peer closed mid-write")
+            if self.require_tickets and self._sealed_since(seg, off, gen):
+                # That generation, or a later one, is committed there: a write ticket replayed
+                # after its commit, or outliving its reservation (aborted or expired, the extent
+                # since given to a later put), must not touch it. Generations only increase.
+                # (Without tickets any peer may write anyway, so nothing is checked.)
+                self._drain(conn, length)
                 status[i] = EntryStatus.MISMATCH
                 continue
             if isinstance(seg, ShmArena):
@@ -294,14 +300,26 @@ class DataPort(ReadServing):
         self.counters["writes"] += len(entries)
         self.counters["write_bytes"] += total
 
-    def _sealed(self, seg: ShmArena | SsdSegment, off: int, gen: int) -> bool:
+    def _sealed_since(self, seg: ShmArena | SsdSegment, off: int, gen: int) -> bool:
+        """Whether the extent at ``off`` holds a committed block of generation ``gen`` or later."""
         if isinstance(seg, ShmArena):
-            h = self._sealer.parse(seg.view, off)
-            return h is not None and h.gen == gen
-        return seg.committed_gen(off) == gen
+            h = self._header(seg, off)
+            return h is not None and h.gen >= gen
+        committed = seg.committed_gen(off)  # None: nothing committed there
+        return committed is not None and committed >= gen
+
+    def _drain(self, conn: socket.socket, length: int) -> None:
+        """Receives and drops a refused entry's ``length`` payload bytes, through at most the
+        staging buffer's least size at a time."""
+        buf = memoryview(self._staging(min(length, _STAGING_MIN)))
+        while length > 0:
+            n = min(length, len(buf))
+            if not recv_exact(conn, buf[:n]):
+                raise ConnectionError("peer closed mid-write")
+            length -= n
 
     def _staging(self, size: int) -> np.ndarray:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.size < size:
-            buf = self._local.buf = np.ones(max(size, 4 << 20), np.uint8)
+            buf = self._local.buf = np.ones(max(size, _STAGING_MIN), np.uint8)
         return buf[:size]
