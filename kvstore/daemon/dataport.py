@@ -11,7 +11,8 @@ Bounds, so that a peer cannot make the daemon hold threads or memory at will: at
 a connection idle, or stalled mid-frame, for ``idle_timeout_s`` is closed; no entry may carry
 more than ``max_block_bytes``; an SSD read is served (and its staging buffer sized) only for a
 committed block of that offset, key, length and generation, so a frame's lengths never size an
-allocation beyond what the daemon stores.
+allocation beyond what the daemon stores; a head's entry count sizes nothing before the entries
+arrive (:func:`~kvstore.transport.frames.recv_bytes` grows as bytes come).
 
 A WRITE only lands payload bytes (DRAM: into the extent, after clearing its header; SSD: a
 pending block); the block is stored only when the metadata service commits the put. With

@@ -143,8 +143,27 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+# What recv_bytes sets aside before any of a longer run of bytes has arrived.
+RECV_CHUNK = 64 << 10
+
+
 def recv_bytes(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    if n and not recv_exact(sock, memoryview(buf)):
-        return None
+    """``n`` bytes from the socket; None if the peer closed before the first. ``n`` often comes
+    from the peer (a head's entry count, a message length), so the buffer grows only as bytes
+    arrive: up to ``RECV_CHUNK`` at first, then at most what has arrived again (a peer that
+    announces much and sends little holds no more than that). A run of ``RECV_CHUNK`` or fewer
+    is one ``recv_exact``."""
+    if n <= RECV_CHUNK:
+        buf = bytearray(n)
+        if n and not recv_exact(sock, memoryview(buf)):
+            return None
+        return bytes(buf)
+    buf = bytearray()
+    while len(buf) < n:
+        at = len(buf)
+        buf.extend(bytes(min(n - at, max(RECV_CHUNK, at))))
+        if not recv_exact(sock, memoryview(buf)[at:]):
+            if at == 0:
+                return None
+            raise ConnectionError(f"peer closed after {at} of {n} bytes")
     return bytes(buf)

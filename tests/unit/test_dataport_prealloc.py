@@ -1,0 +1,96 @@
+"""A request head sizes nothing before its entries arrive: peers that each send only a head
+announcing the most entries a frame may carry make a real DataPort (on loopback) hold about a
+receive chunk each, not the announced entries' bytes, while a well-behaved client is served."""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+import termios
+import time
+import tracemalloc
+
+import numpy as np
+
+from kvstore.daemon.arena import ShmArena
+from kvstore.daemon.dataport import DataPort
+from kvstore.extent import HEADER_SIZE, Sealer, checksum
+from kvstore.transport.frames import (
+    ENTRY,
+    MAGIC,
+    MAX_ENTRIES,
+    REQ_HEAD,
+    RESP_HEAD,
+    VERSION,
+    EntryStatus,
+    FrameStatus,
+    Op,
+)
+
+SEG = 1
+PEERS = 50
+MB = 1 << 20
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        assert chunk, f"connection closed after {len(out)} of {n} bytes"
+        out.extend(chunk)
+    return bytes(out)
+
+
+def _unread(s: socket.socket) -> int:
+    return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_heads_announcing_many_entries_hold_no_memory_for_them(tmp_path):
+    sealer = Sealer(b"s" * 32)
+    arena = ShmArena(tmp_path / "arena", 4 * MB, create=True)
+    data = np.random.default_rng(2).integers(0, 256, 10_000, dtype=np.uint8)
+    arena.array[HEADER_SIZE : HEADER_SIZE + data.size] = data
+    assert arena.commit(sealer, 0, b"b" * 16, data.size, checksum(data), 5)
+    dp = DataPort("127.0.0.1", 0, lambda: {SEG: arena}, sealer)
+    dp.start()
+    peers: list[socket.socket] = []
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(PEERS):
+            s = socket.create_connection(("127.0.0.1", dp.port), timeout=10)
+            s.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, MAX_ENTRIES))
+            peers.append(s)
+        # Every head has been taken off its socket: each connection waits for its entries.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with dp._lock:
+                conns = list(dp._conns)
+            if len(conns) == PEERS and not any(_unread(c) for c in conns):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the data port did not take every head")
+
+        # A well-behaved client meanwhile.
+        with socket.create_connection(("127.0.0.1", dp.port), timeout=10) as good:
+            e = ENTRY.pack(b"b" * 16, SEG, 0, 0, data.size, 0, 5, bytes(16))
+            good.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 9, 1) + e)
+            magic, status, _op, _f, rid, count, msg_len = RESP_HEAD.unpack(_recv(good, RESP_HEAD.size))
+            assert (magic, status, rid, count, msg_len) == (MAGIC, FrameStatus.OK, 9, 1, 0)
+            assert _recv(good, 1)[0] == EntryStatus.OK
+            assert _recv(good, data.size) == data.tobytes()
+
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+        for s in peers:
+            s.close()
+        dp.stop()
+        deadline = time.monotonic() + 10
+        while dp.connections and time.monotonic() < deadline:  # their threads let go of the arena
+            time.sleep(0.01)
+        arena.close()
+    announced = PEERS * MAX_ENTRIES * ENTRY.size  # 236 MB
+    assert held < announced // 8, (held, announced)

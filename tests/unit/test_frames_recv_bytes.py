@@ -1,0 +1,96 @@
+"""frames.recv_bytes over real sockets: the bytes as sent, whatever pieces they come in; None
+when the peer closes before the first byte, ConnectionError when it closes part way; and a length
+the peer announces sizes no buffer before its bytes arrive."""
+
+from __future__ import annotations
+
+import fcntl
+import random
+import socket
+import struct
+import termios
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+from kvstore.transport.frames import RECV_CHUNK, recv_bytes
+
+MB = 1 << 20
+
+
+def _send_in_pieces(s: socket.socket, data: bytes, seed: int) -> None:
+    r = random.Random(seed)
+    at = 0
+    while at < len(data):
+        n = r.choice([1, 7, 1000, RECV_CHUNK - 1, RECV_CHUNK + 1, 300_000])
+        s.sendall(data[at : at + n])
+        at += n
+
+
+@pytest.mark.parametrize("n", [0, 1, 20, RECV_CHUNK - 1, RECV_CHUNK, RECV_CHUNK + 1, 3 * MB + 7])
+def test_bytes_as_sent(n):
+    data = random.Random(n).randbytes(n)
+    a, b = socket.socketpair()
+    with a, b:
+        t = threading.Thread(target=_send_in_pieces, args=(a, data + b"tail", n))
+        t.start()
+        got = recv_bytes(b, n)
+        t.join()
+        assert got == data and type(got) is bytes
+        assert recv_bytes(b, 4) == b"tail"  # nothing past n was taken
+
+
+@pytest.mark.parametrize("n", [20, 5 * MB])
+def test_closed_before_the_first_byte(n):
+    a, b = socket.socketpair()
+    with b:
+        a.close()
+        assert recv_bytes(b, n) is None
+
+
+@pytest.mark.parametrize(("n", "sent"), [(20, 3), (5 * MB, 10), (5 * MB, RECV_CHUNK), (5 * MB, 2 * MB + 1)])
+def test_closed_part_way(n, sent):
+    a, b = socket.socketpair()
+    with b:
+        t = threading.Thread(target=lambda: (a.sendall(bytes(sent)), a.close()))
+        t.start()
+        with pytest.raises(ConnectionError):
+            recv_bytes(b, n)
+        t.join()
+
+
+def _unread(s: socket.socket) -> int:
+    return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_memory_follows_the_bytes_that_arrived():
+    announced, sent = 256 * MB, 200_000
+    a, b = socket.socketpair()
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            recv_bytes(b, announced)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        t = threading.Thread(target=receive)
+        t.start()
+        a.sendall(bytes(sent))
+        deadline = time.monotonic() + 10
+        while _unread(b) and time.monotonic() < deadline:  # the receiver took it all
+            time.sleep(0.01)
+        a.close()
+        t.join(10)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+        b.close()
+    assert [type(e) for e in errors] == [ConnectionError]
+    # At most about twice what arrived, plus a chunk; never the announced length.
+    assert peak < 4 * MB, peak
