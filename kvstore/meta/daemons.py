@@ -52,6 +52,22 @@ def invalidations_pb(items: Iterable[Tombstone]) -> list[common_pb2.Invalidation
     ]
 
 
+_FAILED = (grpc.aio.AioRpcError, KVStoreError, OSError, asyncio.CancelledError)
+
+
+def _failed(e: BaseException) -> str:
+    """Why a call to a daemon failed, for a log line; re-raises a CancelledError that cancels
+    this task (service shutdown). Any other CancelledError is the call's own: its channel was
+    closed under it (the daemon was forgotten meanwhile), and the call failed like any other,
+    so that what it carried (tombstones, a commit) is accounted as not delivered."""
+    if isinstance(e, asyncio.CancelledError):
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise e
+        return "CANCELLED (channel closed)"
+    return e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+
+
 class _LocalDaemon:
     """A daemon in this process, called through its own control servicer with the stub's call
     shape (``await local.Commit(request, timeout=...)``)."""
@@ -168,8 +184,8 @@ class DaemonLink:
             resp = await stub.Commit(req, timeout=self.rpc_timeout_s, metadata=self._signed(daemon_id, "Commit", req))
             status = unpack(resp.status, U8, "status", len(items))
             stored = unpack(resp.stored_size, U64, "stored_size", len(items))
-        except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
-            reason = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        except _FAILED as e:
+            reason = _failed(e)
             log.warning("event=commit_failed daemon=%s blocks=%d reason=%s", daemon_id, len(items), reason)
             return unavailable
         return {i: (st, sz) for (i, _), st, sz in zip(items, status, stored)}
@@ -211,13 +227,14 @@ class DaemonLink:
                 shard=self.shard, epoch=self.epoch, invalidations=invalidations_pb(items)
             )
             await stub.Invalidate(req, timeout=self.rpc_timeout_s, metadata=self._signed(daemon_id, "Invalidate", req))
-        except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
+        except _FAILED as e:
+            reason = _failed(e)
             # Once per outage: every round retries until the daemon answers or its lease lapses.
             level = logging.DEBUG if daemon_id in self._invalidate_failing else logging.WARNING
             self._invalidate_failing.add(daemon_id)
             log.log(
                 level, "event=invalidate_failed daemon=%s blocks=%d reason=%s action=retry_with_heartbeat",
-                daemon_id, len(items), e.code().name if isinstance(e, grpc.aio.AioRpcError) else repr(e),
+                daemon_id, len(items), reason,
             )  # fmt: skip
             return False
         self._invalidate_failing.discard(daemon_id)
@@ -274,11 +291,11 @@ class DaemonLink:
             resp = await stub.Move(req, timeout=self.move_timeout_s, metadata=self._signed(daemon_id, "Move", req))
             ok = unpack(resp.ok, U8, "ok", len(moves))
             stored = unpack(resp.stored_size, U64, "stored_size", len(moves))
-        except (grpc.aio.AioRpcError, KVStoreError, OSError) as e:
+        except _FAILED as e:
+            reason = _failed(e)
             # Once per outage: the tier loop retries every tick until the daemon's lease lapses.
             level = logging.DEBUG if daemon_id in self._move_failing else logging.WARNING
             self._move_failing.add(daemon_id)
-            reason = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.log(level, "event=moves_failed daemon=%s count=%d reason=%s", daemon_id, len(moves), reason)
             ok, stored = [0] * len(moves), [0] * len(moves)
         else:
@@ -294,7 +311,8 @@ class DaemonLink:
         state); its undelivered tombstones stay with the index for when it comes back."""
         cached = self._stubs.pop(daemon_id, None)
         if cached is not None:
-            asyncio.ensure_future(cached[1].close())
+            # Calls in flight end by their own deadlines (and count as failed), not cancelled.
+            asyncio.ensure_future(cached[1].close(grace=self.move_timeout_s))
         self._move_failing.discard(daemon_id)
         self._invalidate_failing.discard(daemon_id)
         self.requeue(daemon_id)

@@ -462,6 +462,33 @@ def test_full_file_system_is_resource_exhausted_and_shutdown_is_clean(cluster, s
 # ---- an unreachable daemon: removal fails loudly, is delivered later, stalls nobody else ----------
 
 
+def test_removal_while_the_daemon_lease_lapses_is_unavailable_and_brings_nothing_back(cluster):
+    """The daemon stops answering and its lease lapses while a removal waits for it (the
+    service forgets it and closes its channel under the call): the removal still answers
+    UNAVAILABLE, it does not hang to the client's deadline, and the tombstones are kept, so
+    the daemon's re-registration brings none of the removed blocks back."""
+    import signal
+
+    cluster.start_meta("meta.daemon_ttl_s=1.5", "meta.daemon_rpc_timeout_s=4")
+    slow = cluster.start_daemon(dram="32MiB")
+    victim = chain(6, 6000)
+    with SyncKVStoreClient(cluster.meta_addr) as c:
+        assert c.put(victim, [block(k) for k in victim]).stored == 6
+    slow.p.send_signal(signal.SIGSTOP)
+    try:
+        with SyncKVStoreClient(cluster.meta_addr, ClientConfig(rpc_timeout_s=20, retries=0)) as c:
+            with pytest.raises(Unavailable, match="did not confirm"):
+                c.remove(victim)
+            wait_until(lambda: not c.stats().daemons, timeout=10)  # its lease lapsed
+    finally:
+        slow.p.send_signal(signal.SIGCONT)
+    with SyncKVStoreClient(cluster.meta_addr, ClientConfig(location_cache=0)) as c:
+        wait_until(lambda: len(c.stats().daemons) == 1, timeout=20)  # back, registered again
+        assert c.exists(victim) == [False] * 6
+        assert served(cluster.meta_addr, victim, 0, "shm") == 0
+        assert served(cluster.meta_addr, victim, 0, "tcp") == 0
+
+
 def test_removal_on_a_stalled_daemon_is_unavailable_then_delivered_by_heartbeat(cluster):
     """A daemon that stops answering (SIGSTOP; its lease is long, so it stays in the index):
     removing its blocks answers UNAVAILABLE instead of a false OK; puts that do not touch it

@@ -4,9 +4,12 @@ inventory filtered by the batch it may not have applied."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from test_index import BLK, SEG, dspec, k, make, pk, put
 
-from kvstore.meta.daemons import DaemonLink
+from kvstore.meta.daemons import _FAILED, DaemonLink, _failed
 from kvstore.meta.index import InventoryItem
 
 
@@ -44,3 +47,44 @@ def test_reregistration_is_filtered_by_the_unacknowledged_batch():
     batch2, again = link.heartbeat_batch("d1", batch)
     assert batch2 and [t.key for t in again] == [k(0)]
     idx.check_integrity()
+
+
+# ---- failed calls ------------------------------------------------------------------------------
+# A CancelledError raised by a call whose channel was closed under it (the daemon was forgotten
+# while the call waited) is a failed call, whose tombstones or commit are accounted as not
+# delivered; the cancellation of the calling task itself (shutdown) still propagates.
+
+
+def test_a_call_cancelled_under_a_running_task_is_a_failed_call():
+    async def main() -> str:
+        call = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(call.cancel)  # the channel closed under the call
+        try:
+            await call
+        except _FAILED as e:
+            return _failed(e)
+        return "no error"
+
+    assert "CANCELLED" in asyncio.run(main())
+
+
+def test_the_cancellation_of_the_calling_task_propagates():
+    reached = []
+
+    async def caller() -> None:
+        call = asyncio.get_running_loop().create_future()
+        try:
+            await call
+        except _FAILED as e:
+            _failed(e)
+            reached.append("accounted as a failed call")
+
+    async def main() -> None:
+        t = asyncio.create_task(caller())
+        await asyncio.sleep(0)
+        t.cancel()  # shutdown
+        with pytest.raises(asyncio.CancelledError):
+            await t
+
+    asyncio.run(main())
+    assert reached == []
