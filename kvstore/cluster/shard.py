@@ -28,7 +28,7 @@ import time
 
 from kvstore.cluster.coord import Coordinator, Leader
 from kvstore.config import Config
-from kvstore.errors import Unavailable
+from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.tls import check_listen
 
 log = logging.getLogger("kvstore.cluster")
@@ -47,6 +47,13 @@ class ShardNode:
         self.ttl = cl.leader_ttl_s
         self.node = node_id or f"meta-{socket.gethostname()}-{os.getpid()}"
         self.addr = cl.advertise or cfg.meta.listen
+        # The address goes to Redis before the port is bound (a standby binds only when it
+        # leads, and each term anew): an ephemeral port would be published as port 0.
+        if self.addr.rpartition(":")[2] in ("0", ""):
+            raise InvalidArgument(
+                f"cluster: a shard process needs a fixed port in cluster.advertise or meta.listen, "
+                f"not {self.addr!r} (its address is published before it binds)"
+            )
         self.coord = Coordinator(cl.redis, cl.name, timeout_s=max(0.2, self.ttl / 4))
         self.leader: Leader | None = None
         self.server = None  # kvstore.meta.service.MetaServer while leading

@@ -127,3 +127,15 @@ async def test_a_leader_that_loses_redis_stops_answering_then_steps_down(tmp_pat
         await asyncio.wait_for(run, 10)
         await ch.close()
         redis.stop()
+
+
+def test_a_shard_process_refuses_an_ephemeral_port():
+    """Its address is published to Redis before it binds (and a standby binds only when it
+    leads): port 0 would be published as such, and nothing could reach the leader."""
+    from kvstore.errors import InvalidArgument
+
+    for sets in (["meta.listen=127.0.0.1:0"], ["meta.listen=127.0.0.1:7100", "cluster.advertise=10.0.0.1:0"]):
+        cfg = load_config(None, ["cluster.redis=redis://127.0.0.1:1", *sets])
+        with pytest.raises(InvalidArgument, match="fixed port"):
+            ShardNode(cfg)
+    assert ShardNode(load_config(None, ["cluster.redis=redis://127.0.0.1:1", "meta.listen=127.0.0.1:7100"])).addr
