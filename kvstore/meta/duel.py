@@ -22,6 +22,14 @@ from collections.abc import Sequence
 SAMPLE = 64  # blocks a sampled eviction looks at (hyperbolic caching, Redis' LFU)
 AGE_FACTOR = 10  # counts halve every AGE_FACTOR x the cache size accesses (TinyLFU)
 HISTORY_FACTOR = AGE_FACTOR  # counts of blocks not stored, for HISTORY_FACTOR x the cache size
+# The duel weighs its evidence (shadow hits, calibration) with a half-life of WINDOW_FACTOR x a
+# shadow's size in sampled accesses: the span over which the frequency mode's state is built and
+# forgotten. A count halves every aging period, so the counts that set a hot prefix apart from a
+# one-time tail (up to 2**4) are made over four periods, and a switch into that mode pays off, or
+# not, over as long. One aging period is also too few requests to judge by: hits come in runs (a
+# request's leading hits, hundreds of blocks at once where requests are long), and at 10 x the
+# cache size a document-QA window held about 16 requests, so a few of them decided the mode.
+WINDOW_FACTOR = 4 * AGE_FACTOR
 MAX_COUNT = 255
 RECENCY, FREQUENCY = 0, 1
 MODES = ("recency", "frequency")
@@ -138,8 +146,8 @@ class ShadowLfu:
 class Duel:
     """The mode choice. Shadows replay 1 in ``s`` keys (s = blocks indexed / SHADOW_BLOCKS,
     changed when that doubles or falls to a quarter, and the shadows start over), each sized to
-    what 1 in ``s`` of the index holds; their prefix hits decay with a half-life of AGE_FACTOR x a
-    shadow's size in sampled accesses (the window the policy's counts age over).
+    what 1 in ``s`` of the index holds; their prefix hits decay with a half-life of WINDOW_FACTOR x
+    a shadow's size in sampled accesses (four of the periods the policy's counts age over).
 
     The mode starts as recency (plain LRU). Until the index first needs room (the policy is
     asked for a victim), both modes have stored the same blocks (demotion may have moved
@@ -181,7 +189,7 @@ class Duel:
         if not sample:
             return
         real = sum(taken[:held])  # the index's prefix hits on the sampled keys
-        decay = 0.5 ** (len(sample) / (AGE_FACTOR * size))
+        decay = 0.5 ** (len(sample) / (WINDOW_FACTOR * size))
         hits, cal_real, cal_shadow = self.hits, self.real, self.shadowed
         got = [0, 0]
         for i, shadow in enumerate(self.shadows):

@@ -43,8 +43,9 @@ in chain order too: once a block of a put is declined, the rest of that put is.
 Costs: O(1) per touched block (dictionary operations and counter arithmetic), O(``SAMPLE``) per
 eviction in frequency mode. Parameters come from the papers named above, not from fitting a
 workload: 10 % / 10 x periods (TinyLFU), 64 samples (hyperbolic caching), shadow caches of a few
-hundred blocks (set dueling uses 32 sets of a few thousand lines), and switches at the 95 %
-significance level.
+hundred blocks (set dueling uses 32 sets of a few thousand lines), switches at the 95 %
+significance level, and the duel's evidence weighed over four aging periods (the span the
+frequency mode's counts are built over; :data:`kvstore.meta.duel.WINDOW_FACTOR`).
 """
 
 from __future__ import annotations
