@@ -11,7 +11,9 @@ import operator
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, unpack_keys
-from kvstore.meta.records import DaemonSpec, InventoryItem, Tier
+from kvstore.meta.records import GEN_LIMIT, DaemonSpec, InventoryItem, Tier
+
+_GEN = operator.itemgetter(5)  # InventoryItem.gen
 
 
 class Checks:
@@ -72,6 +74,12 @@ class Checks:
 
     @staticmethod
     def _daemon_args(spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> None:
+        """Checks a registration: its daemon id, its segments, and that its inventory names
+        only those segments and only generations below ``GEN_LIMIT`` (2**63; see
+        :mod:`kvstore.meta.records`). Generation 0 passes here: such an item is refused on its
+        own (the index never hands it out); a generation at or past the limit is no block any
+        index made, and the index's counter, kept above every generation it has seen, would
+        run out of the wire's 64 bits."""
         if not spec.daemon_id:
             raise InvalidArgument("daemon_id must not be empty")
         seg_ids = [s.segment_id for s in spec.segments]
@@ -82,6 +90,13 @@ class Checks:
                 raise InvalidArgument(f"segment {s.segment_id}: capacity must be positive, got {s.capacity}")
             if s.tier not in (Tier.DRAM, Tier.SSD):
                 raise InvalidArgument(f"segment {s.segment_id}: tier {int(s.tier)} cannot hold blocks (DRAM=1, SSD=2)")
-        for seg_id in inventory:
+        for seg_id, items in inventory.items():
             if seg_id not in seg_ids:
                 raise InvalidArgument(f"inventory names unknown segment {seg_id}")
+            gens = list(map(_GEN, items))
+            if gens and not (0 <= min(gens) and max(gens) < GEN_LIMIT):
+                i = next(i for i, g in enumerate(gens) if not 0 <= g < GEN_LIMIT)
+                raise InvalidArgument(
+                    f"inventory of segment {seg_id}, item {i} (key {bytes(items[i].key).hex()}): "
+                    f"generation {gens[i]} is outside [0, 2**63)"
+                )

@@ -18,6 +18,9 @@ Where it differs, by design:
   not part of it yet: a segment's least recently used block is its victim, on any tier.
 - Locations come back as rows of the table; :meth:`location_rows` packs them as the wire's
   location rows in one call, :meth:`locations` spells them out.
+
+As there, a registration naming a generation at or past ``GEN_LIMIT`` is refused whole and the
+generation counter never passes ``GEN_MAX`` (:mod:`kvstore.meta.records`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvstore.cluster.slots import arena
-from kvstore.errors import InvalidArgument, NotFound
+from kvstore.errors import Internal, InvalidArgument, NotFound
 from kvstore.extent import extent_size
 from kvstore.keys import KEY_BYTES
 from kvstore.meta.allocator import Allocator
@@ -42,6 +45,7 @@ from kvstore.meta.compact_writes import CompactWrites, Put
 from kvstore.meta.membership import Tombstones
 from kvstore.meta.records import (
     COUNTERS,
+    GEN_MAX,
     SEGMENT_ALIGN,
     AcquireResult,
     Clock,
@@ -105,8 +109,16 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         self._put_deadlines: list[tuple[float, int]] = []
         self._lease_deadlines: list[tuple[float, int]] = []
 
-    def _gens(self, n: int) -> np.ndarray:
+    def _gens_left(self, n: int) -> int:
+        """The first of ``n`` fresh generations; raises (having changed nothing) unless they fit
+        in 64 bits (see ``Index._gens_left``)."""
         first = max(self._last_gen + 1, time.time_ns())
+        if first + n - 1 > GEN_MAX:
+            raise Internal(f"generation counter exhausted: {n} more would pass 2**64 - 1 (last {self._last_gen})")
+        return first
+
+    def _gens(self, n: int) -> np.ndarray:
+        first = self._gens_left(n)
         self._last_gen = first + n - 1
         return np.arange(first, first + n, dtype=np.uint64)
 

@@ -43,10 +43,12 @@ class CompactWrites:
         timeout_s: float = 0.0,
         exclude: Iterable[str] = (),
     ) -> PutStartResult:
-        """Reserves extents for a put's new blocks (see ``Index.put_start``); placements are rows."""
+        """Reserves extents for a put's new blocks (see ``Index.put_start``); placements are rows.
+        Should anything fail after space was reserved, the reservations are given back."""
         q, rows, ready = self._find(packed_keys)
         keys = [packed_keys[i : i + KEY_BYTES] for i in range(0, len(packed_keys), KEY_BYTES)]
         timeout = self._put_args(keys, sizes, timeout_s)
+        self._gens_left(len(keys))
         excluded = set(exclude)
         segments = placement_order(self.daemons.values(), host_id, excluded)
         if not segments:
@@ -96,13 +98,19 @@ class CompactWrites:
         if not placed:
             self._touch_rows(rows)
             return PutStartResult(put_id, status, _NONE, timeout)
-        idx = np.array([p[0] for p in placed], dtype=np.int64)
-        new = t.add(q[idx])
+        try:
+            gens = self._gens(len(placed))
+            idx = np.array([p[0] for p in placed], dtype=np.int64)
+            new = t.add(q[idx])
+        except BaseException:
+            for _, seg, off, length in placed:  # nothing in the table yet
+                seg.alloc.release(off, extent_size(length, seg.align))
+            raise
         t.seg[new] = [p[1].ref for p in placed]
         t.off[new] = [p[2] for p in placed]
         t.size[new] = [extent_size(p[3], p[1].align) for p in placed]
         t.length[new] = [p[3] for p in placed]
-        t.gen[new] = self._gens(len(new))
+        t.gen[new] = gens
         for p in placed:
             p[1].blocks += 1
         deadline = self.clock.now() + timeout

@@ -23,13 +23,17 @@ recent than its tail and the tail is dropped first: a block is worthless without
 predecessors.
 
 Generations and tombstones. Every placement gets a generation (unique, from a nanosecond
-clock), which the daemon's sealed header of the block carries. A committed block that leaves the
-index with its extent freed (removed, evicted, moved away, reported corrupt) leaves a tombstone
-(segment, key, offset, generation) for its daemon; the service delivers tombstones to the daemon
-before it acknowledges the call that made them (see :mod:`kvstore.meta.service`), so a restarted
-service, rebuilding from inventories, never sees a removed or evicted block again, and a late
-tombstone can never clear a newer block that reuses the extent (another generation). Pending
-replicas need none: a block becomes part of an inventory only when the daemon commits it.
+clock), which the daemon's sealed header of the block carries. A registration's inventory may
+name generations below :data:`~kvstore.meta.records.GEN_LIMIT` (2**63) only, so that the
+counter, which runs above every generation it has seen, always fits the wire's 64 bits
+(:data:`~kvstore.meta.records.GEN_MAX`); it raises rather than go past them. A committed block
+that leaves the index with its extent freed (removed, evicted, moved away, reported corrupt)
+leaves a tombstone (segment, key, offset, generation) for its daemon; the service delivers
+tombstones to the daemon before it acknowledges the call that made them (see
+:mod:`kvstore.meta.service`), so a restarted service, rebuilding from inventories, never sees a
+removed or evicted block again, and a late tombstone can never clear a newer block that reuses
+the extent (another generation). Pending replicas need none: a block becomes part of an
+inventory only when the daemon commits it.
 
 Tiers. A block has one or two replicas: DRAM, SSD, or both (an SSD copy promoted back to DRAM
 keeps its SSD copy, so dropping that DRAM copy later costs nothing). Where a daemon has an SSD
@@ -47,13 +51,15 @@ import random
 import time
 from collections.abc import Iterable
 
-from kvstore.errors import InvalidArgument, NotFound
+from kvstore.errors import Internal, InvalidArgument, NotFound
 from kvstore.meta.checks import Checks
 from kvstore.meta.engines import DeviceTier, EngineTier
 from kvstore.meta.membership import MAX_TOMBSTONES, Membership  # noqa: F401 - re-exported
 from kvstore.meta.policy import make_policy
 from kvstore.meta.records import (  # noqa: F401 - re-exported: the index API names them
     COUNTERS,
+    GEN_LIMIT,
+    GEN_MAX,
     ROW,
     SEGMENT_ALIGN,
     AcquireResult,
@@ -120,9 +126,17 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         self._put_deadlines: list[tuple[float, int]] = []
         self._lease_deadlines: list[tuple[float, int]] = []
 
+    def _gens_left(self, n: int) -> None:
+        """Raises (having changed nothing) unless ``n`` more generations fit in 64 bits. Cannot
+        happen while registrations stay below GEN_LIMIT: 2**63 placements are left above them."""
+        if max(self._last_gen + 1, time.time_ns()) + n - 1 > GEN_MAX:
+            raise Internal(f"generation counter exhausted: {n} more would pass 2**64 - 1 (last {self._last_gen})")
+
     def _next_gen(self) -> int:
         """A fresh generation: unique in this index, above every generation it has seen, and
-        (from the wall clock in ns) above those of a service that ran before it."""
+        (from the wall clock in ns) above those of a service that ran before it; never past
+        GEN_MAX (raises :class:`~kvstore.errors.Internal`, having changed nothing)."""
+        self._gens_left(1)
         self._last_gen = max(self._last_gen + 1, time.time_ns())
         return self._last_gen
 

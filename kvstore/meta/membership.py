@@ -74,7 +74,9 @@ class Membership(Tombstones):
 
         Whatever the index held for this daemon before is dropped first: the daemon's word on
         what its segments hold wins. Returns how many inventory items were refused (overlap,
-        out of range, a key already stored on another daemon).
+        out of range, a key already stored on another daemon, generation 0, a length or checksum
+        past 64 bits). An item whose generation is past the range the index hands out
+        (``GEN_LIMIT``, :mod:`kvstore.meta.records`) refuses the whole registration.
         """
         steps = self.register_daemon_steps(spec, inventory, chunk=0)
         while True:
@@ -132,11 +134,13 @@ class Membership(Tombstones):
                     or e.replica.length != it.length  # type: ignore[union-attr]
                 )
                 tomb = (sspec.segment_id, it.key, it.offset, it.gen) in dead
-                if not ok or len(it.key) != KEY_BYTES or clash or tomb or not it.gen:
+                # A 16-byte key and values that fit the location row's 64-bit fields.
+                good = len(it.key) == KEY_BYTES and 0 <= it.length < 1 << 64 and 0 <= it.checksum < 1 << 64
+                if not ok or not good or clash or tomb or not it.gen:
                     if ok:
                         alloc.release(it.offset, size)
                     rejected += 1
-                    if ok and len(it.key) == KEY_BYTES and it.gen and not tomb:
+                    if ok and good and it.gen and not tomb:
                         # Refused though its extent is its own (a clash with what the index
                         # holds): the daemon must drop it too, or a reader that remembers its
                         # location would still find it there (kvstore.client.locations).

@@ -88,6 +88,14 @@ SEGMENT_ALIGN = {Tier.DRAM: ALIGN, Tier.SSD: SSD_ALIGN, Tier.GPU: ALIGN}
 
 ROW = struct.Struct("<IIQQQQ")  # segment ref | reserved | offset | length | checksum | gen (common.proto)
 
+# Generations. The index hands out max(last + 1, wall clock in ns): about 1.7e18 today, 2**63 in
+# the year 2262. A daemon's inventory may name only generations below GEN_LIMIT (a registration
+# naming one at or past it is refused whole: no index or daemon made it), which leaves 2**63
+# generations of headroom below GEN_MAX, the most the wire's u64 columns (location rows, block
+# headers, tickets) can carry; the index never hands out one past GEN_MAX.
+GEN_LIMIT = 1 << 63
+GEN_MAX = (1 << 64) - 1
+
 
 class Replica:
     __slots__ = (

@@ -54,8 +54,12 @@ class Writes:
         timeout_s: float = 0.0,
         exclude: Iterable[str] = (),
     ) -> PutStartResult:
+        """Reserves extents for a put's new blocks. Raises having changed nothing, but for blocks
+        evicted to make room (gone for good, tombstones owed): should anything fail after space
+        was reserved, every reservation of the put is given back before the error goes out."""
         keys = self._keys(packed_keys)
         timeout = self._put_args(keys, sizes, timeout_s)
+        self._gens_left(len(keys))
         excluded = set(exclude)
         segments = self._placement_order(host_id, excluded)
         if not segments:
@@ -96,12 +100,21 @@ class Writes:
                     continue
                 seg, offset = got
                 e = Entry(key, put_id)
-                rep = self._add_replica(e, seg, offset, extent_size(size, seg.align), size)
+                try:
+                    rep = self._add_replica(e, seg, offset, extent_size(size, seg.align), size)
+                except BaseException:
+                    seg.alloc.release(offset, extent_size(size, seg.align))
+                    raise
+                allocated.append(e)
                 self.policy.created(e)  # before the entries change (kvstore.meta.policy: defer)
                 self.entries[key] = e
-                allocated.append(e)
                 status.append(PutStatus.ALLOCATED)
                 placements.append(rep)
+        except BaseException:
+            for e in allocated:  # nothing written there yet: freed at once, no tombstone
+                for r in list(e.replicas):
+                    self._drop_replica(r)
+            raise
         finally:
             for rep in reversed(held):  # tail first: the chain's head ends up most recent
                 if rep.evictable():
