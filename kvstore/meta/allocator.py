@@ -122,3 +122,14 @@ class Allocator:
             total += size
             last_end = start + size
         assert total == self.capacity - self.used, f"free {total} != capacity {self.capacity} - used {self.used}"
+
+    def check_disjoint(self, extents: list[tuple[int, int]]) -> None:
+        """Asserts that ``extents`` (start, size), what the caller holds allocated here, lie in
+        the arena and overlap neither each other nor a free range (none freed twice, none both
+        held and free)."""
+        spans = sorted([(s, n, "held") for s, n in extents] + [(s, n, "free") for s, n in self._by_start.items()])
+        end, what = self.base, "arena start"
+        for start, size, kind in spans:
+            assert start >= end, f"{kind} extent at {start} overlaps the {what} ending at {end}"
+            end, what = start + size, f"{kind} extent at {start}"
+        assert end <= self.base + self.capacity, f"{what} ends at {end}, past the arena's end"

@@ -19,8 +19,9 @@ Where it differs, by design:
 - Locations come back as rows of the table; :meth:`location_rows` packs them as the wire's
   location rows in one call, :meth:`locations` spells them out.
 
-As there, a registration naming a generation at or past ``GEN_LIMIT`` is refused whole and the
-generation counter never passes ``GEN_MAX`` (:mod:`kvstore.meta.records`).
+As there, a registration naming a generation at or past ``GEN_LIMIT`` is refused whole, the
+generation counter never passes ``GEN_MAX`` (:mod:`kvstore.meta.records`), and the extents of a
+put that ends uncommitted are held back until its write tickets lapse (:mod:`.quarantine`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kvstore.meta.allocator import Allocator
 from kvstore.meta.checks import Checks
 from kvstore.meta.compact_writes import CompactWrites, Put
 from kvstore.meta.membership import Tombstones
+from kvstore.meta.quarantine import Quarantine
 from kvstore.meta.records import (
     COUNTERS,
     GEN_MAX,
@@ -108,6 +110,8 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._put_deadlines: list[tuple[float, int]] = []
         self._lease_deadlines: list[tuple[float, int]] = []
+        # Extents of puts that ended uncommitted, until their write tickets lapse.
+        self._quarantine = Quarantine()
 
     def _gens_left(self, n: int) -> int:
         """The first of ``n`` fresh generations; raises (having changed nothing) unless they fit
@@ -121,6 +125,10 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         first = self._gens_left(n)
         self._last_gen = first + n - 1
         return np.arange(first, first + n, dtype=np.uint64)
+
+    def _current(self, seg: Segment) -> bool:
+        """Whether ``seg`` is a segment of a daemon the index knows now (not of a lost one)."""
+        return self.daemons.get(seg.daemon.spec.daemon_id) is seg.daemon
 
     def _find(self, packed: bytes, what: str = "keys") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The keys' words, their rows (-1: not stored) and whether each is committed."""
@@ -160,8 +168,9 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
 
     # ---- dropping ---------------------------------------------------------------------------
 
-    def _drop(self, row: int, free: bool = True) -> None:
-        """A block leaves the index; its extent is freed now or when its last lease ends
+    def _drop(self, row: int, free: bool = True, hold_until: float | None = None) -> None:
+        """A block leaves the index; its extent is freed now or when its last lease ends, or
+        (``hold_until``: a put's reservation whose write tickets are still good) at that time
         (``free=False``, its daemon was lost: the space goes with the daemon). A block its
         daemon may hold committed leaves a tombstone."""
         t = self.table
@@ -179,8 +188,10 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
                 seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, t.key(row), int(t.off[row]), int(t.gen[row]))
             )
         if t.leases[row] == 0:
-            if free:
+            if free and hold_until is None:
                 seg.alloc.release(int(t.off[row]), int(t.size[row]))
+            elif free:
+                self._quarantine.hold(seg, int(t.off[row]), int(t.size[row]), hold_until)
             t.free(row)
 
     # ---- reads ------------------------------------------------------------------------------
@@ -375,6 +386,7 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
             mine = np.flatnonzero(((t.flags[:n] & LIVE) != 0) & (t.seg[:n] == seg.ref))
             for row in mine.tolist():
                 self._drop(row, free=False)
+            seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
             t.forget_segment(seg.ref)
             if not seg.leased:
                 del self.segments[seg.ref]
@@ -382,7 +394,8 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
     # ---- time -------------------------------------------------------------------------------
 
     def expire(self) -> dict[str, int]:
-        """Reclaims what outlived its deadline: daemons, put reservations, leases."""
+        """Reclaims what outlived its deadline: daemons, put reservations, leases; frees the
+        extents of ended puts whose write tickets lapsed."""
         now = self.clock.now()
         out = {"daemons": 0, "puts": 0, "leases": 0}
         for did in [d for d, st in self.daemons.items() if st.deadline < now]:
@@ -394,6 +407,7 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         for lid in expired(self._lease_deadlines, self.leases, now):
             self.release(lid)
             out["leases"] += 1
+        self._quarantine.release(now, self._current)
         self.counters["daemons_lost"] += out["daemons"]
         self.counters["expired_puts"] += out["puts"]
         self.counters["expired_leases"] += out["leases"]
@@ -408,12 +422,21 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         n = t.n_rows
         live = (t.flags[:n] & LIVE) != 0
         held = (~live) & (t.leases[:n] > 0)
+        quarantined: dict[int, list[tuple[int, int]]] = {}
+        for seg, offset, size in self._quarantine.extents(self._current):
+            quarantined.setdefault(seg.ref, []).append((offset, size))
         for ref, seg in self.segments.items():
             on = t.seg[:n] == ref
-            if seg.daemon.spec.daemon_id in self.daemons and self.daemons[seg.daemon.spec.daemon_id] is seg.daemon:
+            if self._current(seg):
                 seg.alloc.check_integrity()
+                q = quarantined.get(ref, [])
+                assert seg.quarantined == sum(size for _, size in q), f"segment {ref}: quarantined {seg.quarantined}"
                 used = int(t.size[:n][on & (live | held)].sum(dtype=np.uint64))
-                assert seg.alloc.used == used, f"segment {ref}: allocator used {seg.alloc.used} != blocks {used}"
+                assert seg.alloc.used == used + seg.quarantined, (
+                    f"segment {ref}: allocator used {seg.alloc.used} != blocks {used} + quarantined {seg.quarantined}"
+                )
+                mine = np.flatnonzero(on & (live | held))
+                seg.alloc.check_disjoint(list(zip(t.off[mine].tolist(), t.size[mine].tolist())) + q)
             assert seg.blocks == int((on & live).sum()), f"segment {ref}: block count {seg.blocks}"
             assert seg.pinned == int((on & live & ((t.flags[:n] & PINNED) != 0)).sum()), f"segment {ref}: pinned"
             assert seg.leased == int((on & (t.leases[:n] > 0)).sum()), f"segment {ref}: leased {seg.leased}"

@@ -160,9 +160,9 @@ class CompactWrites:
         del self.puts[put_id]
         t = self.table
         mine = self._put_rows(put)
-        if written is not None:
+        if written is not None:  # the unwritten: held back until the put's write tickets lapse
             for row in put.rows[mine & ~np.array(written, dtype=bool)].tolist():
-                self._drop(row)
+                self._drop(row, hold_until=put.deadline + self.limits.write_ticket_grace_s)
             mine &= np.array(written, dtype=bool)
         rows = put.rows[mine]
         t.csum[rows] = np.array(checksums, dtype=np.uint64)[mine]
@@ -178,10 +178,12 @@ class CompactWrites:
         return len(rows)
 
     def put_abort(self, put_id: int) -> int:
+        """Ends a put uncommitted (see ``Index.put_abort``): its extents are held back until its
+        write tickets lapse."""
         put = self.puts.pop(put_id, None)
         if put is None:
             raise NotFound(f"put {put_id} is unknown (already committed, aborted or expired)")
         rows = put.rows[self._put_rows(put)].tolist()
         for row in rows:
-            self._drop(row)
+            self._drop(row, hold_until=put.deadline + self.limits.write_ticket_grace_s)
         return len(rows)

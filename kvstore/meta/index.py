@@ -7,8 +7,10 @@ Replica life cycle::
 
     PutStart -> PENDING (extent reserved, invisible) --PutCommit--> COMPLETE (visible, evictable)
                    |                                                   |
-                   +-- PutAbort / deadline / daemon lost --> freed     +-- evict / Remove /
-                                                                           corrupt / daemon lost --> freed
+                   +-- PutAbort / deadline / not written --> held      +-- evict / Remove /
+                   |   back until the put's write tickets lapse,           corrupt / daemon lost --> freed
+                   |   then freed (:mod:`.quarantine`)
+                   +-- daemon lost --> forgotten with the daemon
 
 The module is split where its seams are: the records it is made of (:mod:`.records`), extent
 allocation (:mod:`.allocator`), daemon membership and tombstones (:mod:`.membership`), writes,
@@ -56,6 +58,7 @@ from kvstore.meta.checks import Checks
 from kvstore.meta.engines import DeviceTier, EngineTier
 from kvstore.meta.membership import MAX_TOMBSTONES, Membership  # noqa: F401 - re-exported
 from kvstore.meta.policy import make_policy
+from kvstore.meta.quarantine import Quarantine
 from kvstore.meta.records import (  # noqa: F401 - re-exported: the index API names them
     COUNTERS,
     GEN_LIMIT,
@@ -125,6 +128,8 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         # puts and leases that ended earlier are skipped when they come up).
         self._put_deadlines: list[tuple[float, int]] = []
         self._lease_deadlines: list[tuple[float, int]] = []
+        # Extents of puts that ended uncommitted, until their write tickets lapse.
+        self._quarantine = Quarantine()
 
     def _gens_left(self, n: int) -> None:
         """Raises (having changed nothing) unless ``n`` more generations fit in 64 bits. Cannot
@@ -139,6 +144,10 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         self._gens_left(1)
         self._last_gen = max(self._last_gen + 1, time.time_ns())
         return self._last_gen
+
+    def _current(self, seg: Segment) -> bool:
+        """Whether ``seg`` is a segment of a daemon the index knows now (not of a lost one)."""
+        return self.daemons.get(seg.daemon.spec.daemon_id) is seg.daemon
 
     # ---- replica bookkeeping ----------------------------------------------------------------
 
@@ -157,13 +166,14 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         if rep.evictable():
             rep.segment.lru[rep.entry.key] = rep
 
-    def _drop_replica(self, rep: Replica, free: bool = True) -> None:
+    def _drop_replica(self, rep: Replica, free: bool = True, hold_until: float | None = None) -> None:
         """Removes a replica from the index. Its extent is freed now, or when its last lease
-        ends; ``free=False`` (daemon lost) forgets the space along with the daemon. An entry
-        left with no ready replica leaves the index. A freed replica that the daemon may hold
-        committed leaves a tombstone for it at once (also under a lease: a reader that then
-        finds it gone asks the index again, kvstore.client.reads; a tombstone held back until
-        the lease ends would be lost with a restart, and the block would come back)."""
+        ends, or (``hold_until``: a put's reservation whose write tickets are still good) at that
+        time on the index clock; ``free=False`` (daemon lost) forgets the space along with the
+        daemon. An entry left with no ready replica leaves the index. A freed replica that the
+        daemon may hold committed leaves a tombstone for it at once (also under a lease: a reader
+        that then finds it gone asks the index again, kvstore.client.reads; a tombstone held back
+        until the lease ends would be lost with a restart, and the block would come back)."""
         if not rep.live:
             return
         e = rep.entry
@@ -182,7 +192,10 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
             if committed:
                 self._tombstone(rep)
             if rep.leases == 0:
-                seg.alloc.release(rep.offset, rep.size)
+                if hold_until is None:
+                    seg.alloc.release(rep.offset, rep.size)
+                else:
+                    self._quarantine.hold(seg, rep.offset, rep.size, hold_until)
         if e.complete and not any(r.ready for r in e.replicas):
             for r in list(e.replicas):  # a pending move target of a vanished block
                 self._drop_replica(r, free)
@@ -361,7 +374,8 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
     # ---- time -------------------------------------------------------------------------------
 
     def expire(self) -> dict[str, int]:
-        """Reclaims what outlived its deadline: daemons, put reservations, leases."""
+        """Reclaims what outlived its deadline: daemons, put reservations, leases; frees the
+        extents of ended puts whose write tickets lapsed."""
         now = self.clock.now()
         out = {"daemons": 0, "puts": 0, "leases": 0}
         for did in [d for d, st in self.daemons.items() if st.deadline < now]:
@@ -374,6 +388,7 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         for lid in expired(self._lease_deadlines, self.leases, now):
             self.release(lid)
             out["leases"] += 1
+        self._quarantine.release(now, self._current)
         self.counters["daemons_lost"] += out["daemons"]
         self.counters["expired_puts"] += out["puts"]
         self.counters["expired_leases"] += out["leases"]
@@ -383,8 +398,9 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
 
     def check_integrity(self) -> None:
         """Asserts the accounting: every live replica is in exactly one place, every segment's
-        used bytes equal its replicas' extents (plus freed-but-leased ones), LRU holds exactly
-        the evictable replicas, a complete entry has a ready replica."""
+        used bytes equal its replicas' extents (plus freed-but-leased ones and those held back
+        in quarantine), these extents and the free ranges never overlap, LRU holds exactly the
+        evictable replicas, a complete entry has a ready replica."""
         self.engine_tier.check_integrity()
         self.policy.check_integrity()
         per_seg: dict[int, int] = {}
@@ -407,20 +423,33 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
                     pinned[id(seg)] = pinned.get(id(seg), 0) + 1
                 in_lru = seg.lru.get(key) is rep
                 assert in_lru == rep.evictable(), f"entry {key.hex()}: in LRU {in_lru}, evictable {rep.evictable()}"
+        # Dropped replicas still held keep their extent until released (count once): by a read
+        # lease, or as the source of a tier move in flight.
+        held = [r for lease in self.leases.values() for r in lease.replicas]
+        held += [mv.src for mv in self.moves.values()]
+        held_extents = {id(r): r for r in held if not r.live}
+        quarantined: dict[int, list[tuple[int, int]]] = {}
+        for seg, offset, size in self._quarantine.extents(self._current):
+            quarantined.setdefault(id(seg), []).append((offset, size))
         for d in self.daemons.values():
             for seg in d.segments.values():
                 seg.alloc.check_integrity()
                 for key, rep in seg.lru.items():
                     assert rep.live and rep.segment is seg and rep.entry.key == key
-                # Dropped replicas still held keep their extent until released (count once): by a
-                # read lease, or as the source of a tier move in flight.
-                held = [r for lease in self.leases.values() for r in lease.replicas]
-                held += [mv.src for mv in self.moves.values()]
-                extra = sum({id(r): r.size for r in held if not r.live and r.segment is seg}.values())
-                assert seg.alloc.used == per_seg.get(id(seg), 0) + extra, (
-                    f"segment {d.spec.daemon_id}/{seg.spec.segment_id}: allocator used {seg.alloc.used} "
-                    f"!= replicas {per_seg.get(id(seg), 0)} + released-but-leased {extra}"
+                extra = sum(r.size for r in held_extents.values() if r.segment is seg)
+                q = quarantined.get(id(seg), [])
+                assert seg.quarantined == sum(size for _, size in q), (
+                    f"segment {d.spec.daemon_id}/{seg.spec.segment_id}: quarantined {seg.quarantined} "
+                    f"!= its held extents {sum(size for _, size in q)}"
                 )
+                assert seg.alloc.used == per_seg.get(id(seg), 0) + extra + seg.quarantined, (
+                    f"segment {d.spec.daemon_id}/{seg.spec.segment_id}: allocator used {seg.alloc.used} "
+                    f"!= replicas {per_seg.get(id(seg), 0)} + released-but-leased {extra} "
+                    f"+ quarantined {seg.quarantined}"
+                )
+                used = [(r.offset, r.size) for r in seg.replicas]
+                used += [(r.offset, r.size) for r in held_extents.values() if r.segment is seg]
+                seg.alloc.check_disjoint(used + q)
                 assert seg.blocks == blocks.get(id(seg), 0), (
                     f"segment block count {seg.blocks} != {blocks.get(id(seg), 0)}"
                 )

@@ -168,14 +168,15 @@ class Membership(Tombstones):
 
     def _drop_daemon(self, daemon_id: str) -> None:
         """Forgets a daemon and its replicas (ready and reserved: puts in flight on it commit
-        nothing there; entries keep their position in put.entries). Costs the daemon's own
-        blocks, not the index's."""
+        nothing there; entries keep their position in put.entries) and the extents held back
+        there (:mod:`kvstore.meta.quarantine`). Costs the daemon's own blocks, not the index's."""
         d = self.daemons.pop(daemon_id)
         for mid in [m for m, mv in self.moves.items() if mv.src.segment.daemon is d]:
             self.finish_move(mid, False)
         for seg in d.segments.values():
             for r in list(seg.replicas):
                 self._drop_replica(r, free=False)
+            seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
 
     def drain_daemon(self, daemon_id: str) -> tuple[int, int, float]:
         """A daemon leaving on purpose: it takes no more puts and its blocks leave the index

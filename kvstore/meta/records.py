@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
+from kvstore import tickets
 from kvstore.extent import ALIGN, SSD_ALIGN
 from kvstore.meta.allocator import Allocator
 
@@ -96,6 +97,13 @@ ROW = struct.Struct("<IIQQQQ")  # segment ref | reserved | offset | length | che
 GEN_LIMIT = 1 << 63
 GEN_MAX = (1 << 64) - 1
 
+# Write tickets for a put's extents (kvstore.tickets) expire at int(wall clock + the put's timeout)
+# + 1 and are honoured SKEW_S longer: extents of a put that ends without its blocks committed
+# (aborted, expired, not written, refused) go back to the allocator only this long after the put's
+# deadline (IndexLimits.write_ticket_grace_s), so that a late or replayed write can never land in
+# another put's block (kvstore.meta.quarantine).
+WRITE_TICKET_GRACE_S = tickets.SKEW_S + 2
+
 
 class Replica:
     __slots__ = (
@@ -164,7 +172,9 @@ class Entry:
 
 
 class Segment:
-    __slots__ = ("daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref", "replicas", "pb_ref")
+    __slots__ = (
+        "daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref", "replicas", "pb_ref", "quarantined",
+    )  # fmt: skip
 
     def __init__(self, daemon: Daemon, spec: SegmentSpec, ref: int, alloc: Allocator | None = None) -> None:
         self.daemon = daemon
@@ -181,6 +191,9 @@ class Segment:
         self.replicas: set[Replica] = set()
         # How location messages describe it (kvstore.wire.locations_to_pb), built once.
         self.pb_ref = None
+        # Bytes of extents freed but held back from the allocator while write tickets for them
+        # may still be honoured (kvstore.meta.quarantine); counted in alloc.used.
+        self.quarantined = 0
 
     @property
     def align(self) -> int:
@@ -287,6 +300,11 @@ class IndexLimits:
     # allocates only in its arena of each segment (kvstore.cluster.slots.arena).
     shard: int = 0
     shards: int = 1
+    # How long past a put's deadline the extents of its uncommitted blocks are held back, while
+    # its write tickets may still be honoured (WRITE_TICKET_GRACE_S: the daemons' default
+    # ticket skew plus the rounding of the expiry; a daemon configured with a longer
+    # daemon.ticket_skew_s needs as much more here).
+    write_ticket_grace_s: float = WRITE_TICKET_GRACE_S
 
 
 COUNTERS = (  # the index's counters (Stats, metrics)

@@ -229,6 +229,7 @@ class MetaServicer:
         sizes = unpack(request.sizes, U64, "sizes", n if len(request.keys) % KEY_BYTES == 0 else None)
         ident = self._who(context, "tenant", "admin")
         mark = self.link.mark()
+        started = time.monotonic()
         res = self.index.put_start(
             self._keys(request.keys, ident),
             sizes,
@@ -241,11 +242,15 @@ class MetaServicer:
         await self.link.flush(mark)
         if res.placements and self.authority is not None:
             self._put_owner[res.put_id] = ident.name
+        # The write tickets end with the reservation, counted from when it was made (not from
+        # now, after the flush): the index holds an ended put's extents back for as long as
+        # tickets so made can be honoured (IndexLimits.write_ticket_grace_s).
+        left = max(0.0, res.deadline - (time.monotonic() - started))
         return meta_pb2.PutStartResponse(
             put_id=res.put_id,
             status=pack(res.status, U8),
-            placements=locations_to_pb(res.placements, tickets.WRITE, res.deadline, keys=self.authority is not None),
-            deadline_unix_ms=int((time.time() + res.deadline) * 1000),
+            placements=locations_to_pb(res.placements, tickets.WRITE, left, keys=self.authority is not None),
+            deadline_unix_ms=int((time.time() + left) * 1000),
         )
 
     async def PutCommit(self, request, context):

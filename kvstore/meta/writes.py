@@ -189,7 +189,8 @@ class Writes:
         """First half of a commit: validates, takes the put out of the reservation table (its
         deadline no longer applies) and releases the blocks the writer did not write. The
         caller has the daemons commit the rest (:class:`PendingCommit` lists them), then calls
-        :meth:`put_commit_end`. Nothing becomes visible before that."""
+        :meth:`put_commit_end`. Nothing becomes visible before that. The extents of blocks not
+        written are held back until the put's write tickets lapse (:mod:`.quarantine`)."""
         put = self.puts.get(put_id)
         if put is not None and put.deadline < self.clock.now():
             self.put_abort(put_id)
@@ -204,7 +205,7 @@ class Writes:
         for i, e in enumerate(put.entries):
             rep = e.replicas[0] if e.replicas else None  # none: its daemon was lost meanwhile
             if rep is not None and written is not None and not written[i]:
-                self._drop_replica(rep)
+                self._drop_replica(rep, hold_until=put.deadline + self.limits.write_ticket_grace_s)
                 reps.append(None)
                 status.append(CommitStatus.NOT_WRITTEN)
                 continue
@@ -220,7 +221,8 @@ class Writes:
         """Second half: ``outcome`` maps a block's placement index to (CommitStatus, stored
         extent bytes or 0) as its daemon answered; a block without an outcome counts as
         committed (``None``: all, for callers without daemons). Committed blocks become visible;
-        the others are released. Returns (committed count, status per allocated block)."""
+        the others are released, their extents held back until the put's write tickets lapse
+        (:mod:`.quarantine`). Returns (committed count, status per allocated block)."""
         committed = 0
         status = list(pc.status)
         for i, rep in enumerate(pc.replicas):
@@ -233,7 +235,7 @@ class Writes:
             if st != CommitStatus.OK:
                 status[i] = st
                 self.counters["commit_failed_keys"] += 1
-                self._drop_replica(rep)
+                self._drop_replica(rep, hold_until=pc.put.deadline + self.limits.write_ticket_grace_s)
                 continue
             e = rep.entry
             if 0 < stored < rep.size and stored % rep.segment.align == 0:
@@ -255,12 +257,16 @@ class Writes:
         return self.put_commit_end(self.put_commit_begin(put_id, checksums, written))[0]
 
     def put_abort(self, put_id: int) -> int:
+        """Ends a put without committing it (also at its deadline); returns how many blocks it
+        released. Their extents are held back until the put's write tickets lapse: the writer
+        may still write there until then (:mod:`.quarantine`)."""
         put = self.puts.pop(put_id, None)
         if put is None:
             raise NotFound(f"put {put_id} is unknown (already committed, aborted or expired)")
         released = 0
+        until = put.deadline + self.limits.write_ticket_grace_s
         for e in put.entries:
             for r in list(e.replicas):
-                self._drop_replica(r)
+                self._drop_replica(r, hold_until=until)
                 released += 1
         return released

@@ -287,12 +287,18 @@ def test_put_of_only_existing_keys_reserves_nothing():
 
 
 def test_commit_with_written_flags_frees_unwritten_blocks():
-    idx, _ = make(slots=8)
+    idx, clock = make(slots=8)
     r = idx.put_start(pk(0, 1, 2), [BLK] * 3)
     assert idx.put_commit(r.put_id, [1, 2, 3], written=[True, True, False]) == 2
     assert present(idx, 0, 1, 2) == [True, True, False]
     assert 2 not in [i for i in range(3) if present(idx, i)[0]]
-    assert seg(idx).alloc.used == 2 * ALIGN
+    # The unwritten block's extent is freed once the put's write tickets lapse.
+    assert seg(idx).alloc.used == 3 * ALIGN and seg(idx).quarantined == ALIGN
+    idx.check_integrity()
+    clock.advance(idx.limits.put_timeout_s + idx.limits.write_ticket_grace_s + 0.1)
+    idx.heartbeat("d1")
+    idx.expire()
+    assert seg(idx).alloc.used == 2 * ALIGN and seg(idx).quarantined == 0
     idx.check_integrity()
     # The unwritten key can be put again.
     assert put(idx, 2) == [ALLOCATED]
@@ -306,14 +312,15 @@ def test_commit_begin_end_failed_outcomes_are_released_and_never_visible():
     assert r.put_id not in idx.puts  # out of the reservation table: its deadline no longer applies
     assert pc.status == [CommitStatus.OK] * 3 + [CommitStatus.NOT_WRITTEN]
     assert hits(idx, 0) == 0  # nothing is visible before the daemons answer
-    assert seg(idx).alloc.used == 3 * ALIGN  # the unwritten block is released at once
+    # The unwritten block is released at once, its extent held until its write tickets lapse.
+    assert seg(idx).alloc.used == 4 * ALIGN and seg(idx).quarantined == ALIGN
     idx.check_integrity()
     n, status = idx.put_commit_end(pc, {1: (CommitStatus.MISMATCH, 0), 2: (CommitStatus.NO_SPACE, 0)})
     assert n == 1
     assert status == [CommitStatus.OK, CommitStatus.MISMATCH, CommitStatus.NO_SPACE, CommitStatus.NOT_WRITTEN]
     assert present(idx, 0, 1, 2, 3) == [True, False, False, False]
     assert locs_of(idx, 0)[0].checksum == 10
-    assert seg(idx).alloc.used == ALIGN
+    assert seg(idx).alloc.used == 4 * ALIGN and seg(idx).quarantined == 3 * ALIGN
     assert idx.counters["commit_failed_keys"] == 2
     idx.check_integrity()
     # The daemon may have sealed a block whose commit failed: those leave tombstones, the
@@ -374,11 +381,18 @@ def test_commit_twice_is_expired_and_abort_after_commit_not_found():
 
 
 def test_abort_frees_reservation():
-    idx, _ = make(slots=4)
+    idx, clock = make(slots=4)
     r = idx.put_start(pk(0, 1), [BLK, BLK])
     assert seg(idx).alloc.used == 2 * ALIGN
     assert idx.put_abort(r.put_id) == 2
-    assert seg(idx).alloc.used == 0
+    # Held back until the put's write tickets lapse, then free.
+    assert seg(idx).alloc.used == 2 * ALIGN and seg(idx).quarantined == 2 * ALIGN
+    assert seg(idx).blocks == 0
+    idx.check_integrity()
+    clock.advance(idx.limits.put_timeout_s + idx.limits.write_ticket_grace_s + 0.1)
+    idx.heartbeat("d1")
+    idx.expire()
+    assert seg(idx).alloc.used == 0 and seg(idx).quarantined == 0
     assert idx.entries == {}
     assert hits(idx, 0) == 0
     with pytest.raises(Expired):
@@ -832,9 +846,14 @@ def test_writer_crash_reclaimed_at_deadline():
     assert idx.expire() == {"daemons": 0, "puts": 1, "leases": 0, "engines": 0}
     assert idx.counters["expired_puts"] == 1
     assert idx.entries == {} and idx.puts == {}
-    assert seg(idx).alloc.used == 0
+    assert seg(idx).alloc.used == 3 * ALIGN  # held back until the put's write tickets lapse
     assert seg(idx).blocks == 0
     assert hits(idx, 0) == 0
+    idx.check_integrity()
+    clock.advance(idx.limits.write_ticket_grace_s)
+    idx.heartbeat("d1")
+    idx.expire()
+    assert seg(idx).alloc.used == 0
     idx.check_integrity()
     with pytest.raises(Expired):
         idx.put_commit(r.put_id, [1, 2, 3])
@@ -1343,7 +1362,11 @@ def _check_model(idx: Index, m: Model) -> None:
 def test_randomized_soak(seed):
     rng = random.Random(seed)
     clock = FakeClock()
-    idx = Index(IndexLimits(put_timeout_s=4.0, lease_ttl_s=3.0, daemon_ttl_s=1e6, max_batch_keys=64), clock)
+    # A short write-ticket grace: the small segments would mostly hold ended puts' extents.
+    limits = IndexLimits(
+        put_timeout_s=4.0, lease_ttl_s=3.0, daemon_ttl_s=1e6, max_batch_keys=64, write_ticket_grace_s=2
+    )
+    idx = Index(limits, clock)
     specs = {"d1": dspec("d1", slots=10, host="h1"), "d2": dspec("d2", slots=6, host="h2")}
     for s in specs.values():
         idx.register_daemon(s, {})
@@ -1517,8 +1540,14 @@ def test_randomized_soak(seed):
     idx.remove(b"".join(key for c in chains for key in c))
     idx.check_integrity()
     assert idx.entries == {}
+    # What ended puts held comes back once their write tickets lapsed.
+    clock.advance(max(idx.limits.put_timeout_s, 6.0) + idx.limits.write_ticket_grace_s + 0.1)
     for did in specs:
-        assert seg(idx, did).alloc.used == 0
+        idx.heartbeat(did)
+    idx.expire()
+    idx.check_integrity()
+    for did in specs:
+        assert seg(idx, did).alloc.used == 0 and seg(idx, did).quarantined == 0
         assert seg(idx, did).blocks == 0
 
 
