@@ -284,9 +284,7 @@ class DataPort(ReadServing):
                     status[i] = EntryStatus.CHECKSUM
                     continue
             else:
-                staging = self._staging(length)
-                if not recv_exact(conn, memoryview(staging)):
-                    raise ConnectionError("peer closed mid-write")
+                staging = self._receive_staged(conn, length)
                 if checksum(staging) != csum:
                     status[i] = EntryStatus.CHECKSUM
                     continue
@@ -318,6 +316,25 @@ class DataPort(ReadServing):
             if not recv_exact(conn, buf[:n]):
                 raise ConnectionError("peer closed mid-write")
             length -= n
+
+    def _receive_staged(self, conn: socket.socket, length: int) -> np.ndarray:
+        """An SSD write's ``length`` payload bytes, in this thread's staging buffer, which grows
+        only as bytes arrive (at most doubling what arrived): without tickets ``length`` is
+        the peer's word alone, and a peer that announces a large block and sends little holds
+        no more memory than it sent."""
+        at = 0
+        self._staging(min(length, _STAGING_MIN))
+        buf = self._local.buf  # whole: it may be larger from an earlier write
+        while at < length:
+            upto = min(length, max(_STAGING_MIN, 2 * at))
+            if buf.size < upto:
+                grown = np.empty(upto, np.uint8)
+                grown[:at] = buf[:at]
+                self._local.buf = buf = grown
+            if not recv_exact(conn, memoryview(buf)[at:upto]):
+                raise ConnectionError("peer closed mid-write")
+            at = upto
+        return buf[:length]
 
     def _staging(self, size: int) -> np.ndarray:
         buf = getattr(self._local, "buf", None)

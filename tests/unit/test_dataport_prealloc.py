@@ -94,3 +94,58 @@ def test_heads_announcing_many_entries_hold_no_memory_for_them(tmp_path):
         arena.close()
     announced = PEERS * MAX_ENTRIES * ENTRY.size  # 236 MB
     assert held < announced // 8, (held, announced)
+
+
+def test_an_ssd_write_holds_memory_for_what_arrived_not_for_what_it_announced(tmp_path):
+    """Without tickets an entry's length is the peer's word alone: peers that each announce a
+    64 MiB SSD block and send 1 MiB of it make the data port hold a staging buffer of about
+    what arrived each, while a well-behaved write of a block larger than the least staging
+    buffer lands whole."""
+    from kvstore.daemon.ssd import SsdSegment
+
+    ssd_id, peers_n, big = 2, 4, 64 * MB
+    ssd = SsdSegment(tmp_path / "ssd", ssd_id, 96 * MB, direct_io=False)
+    dp = DataPort("127.0.0.1", 0, lambda: {ssd_id: ssd}, Sealer(b"s" * 32))
+    dp.start()
+    peers: list[socket.socket] = []
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(peers_n):
+            s = socket.create_connection(("127.0.0.1", dp.port), timeout=10)
+            e = ENTRY.pack(bytes([i]) * 16, ssd_id, 0, 0, big, 0, 1 + i, bytes(16))
+            s.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + e + bytes(MB))
+            peers.append(s)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # every peer's megabyte was taken off its socket
+            with dp._lock:
+                conns = list(dp._conns)
+            if len(conns) == peers_n and not any(_unread(c) for c in conns):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the data port did not take every peer's bytes")
+        held = tracemalloc.get_traced_memory()[0] - base
+        assert held < peers_n * big // 4, (held, peers_n * big)
+
+        data = np.random.default_rng(5).integers(0, 256, 9 * MB + 5, dtype=np.uint8)
+        key, off, gen = b"w" * 16, 32 * MB, 77
+        with socket.create_connection(("127.0.0.1", dp.port), timeout=10) as good:
+            e = ENTRY.pack(key, ssd_id, 0, off, data.size, checksum(data), gen, bytes(16))
+            good.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 3, 1) + e)
+            good.sendall(memoryview(data))
+            magic, status, _op, _f, rid, count, msg_len = RESP_HEAD.unpack(_recv(good, RESP_HEAD.size))
+            assert (magic, status, rid, count, msg_len) == (MAGIC, FrameStatus.OK, 3, 1, 0)
+            assert _recv(good, 1)[0] == EntryStatus.OK
+        assert ssd.commit(off, key, gen) is not None
+        st, out = ssd.read(off, key, data.size, gen=gen)
+        assert st.ok and np.array_equal(out, data)
+    finally:
+        tracemalloc.stop()
+        for s in peers:
+            s.close()
+        dp.stop()
+        deadline = time.monotonic() + 10
+        while dp.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ssd.close()
