@@ -48,12 +48,15 @@ class ShardNode:
         self.node = node_id or f"meta-{socket.gethostname()}-{os.getpid()}"
         self.addr = cl.advertise or cfg.meta.listen
         # The address goes to Redis before the port is bound (a standby binds only when it
-        # leads, and each term anew): an ephemeral port would be published as port 0.
-        if self.addr.rpartition(":")[2] in ("0", ""):
-            raise InvalidArgument(
-                f"cluster: a shard process needs a fixed port in cluster.advertise or meta.listen, "
-                f"not {self.addr!r} (its address is published before it binds)"
-            )
+        # leads, and each term anew): an ephemeral port would be published as port 0, or
+        # differ from the one it advertises.
+        for what, addr in (("meta.listen", cfg.meta.listen), ("cluster.advertise", cl.advertise)):
+            port = addr.rpartition(":")[2] if addr else "1"
+            if not port.isdigit() or int(port) == 0:
+                raise InvalidArgument(
+                    f"cluster: a shard process needs a fixed port in {what}, not {addr!r} "
+                    "(its address is published before it binds)"
+                )
         self.coord = Coordinator(cl.redis, cl.name, timeout_s=max(0.2, self.ttl / 4))
         self.leader: Leader | None = None
         self.server = None  # kvstore.meta.service.MetaServer while leading

@@ -139,9 +139,13 @@ class MetaLink:
         d = self.d
         invs, discarded = await asyncio.to_thread(d.inventory, True)
         invs = shard_inventory(invs, d.segment_sizes(), self.shard, self.shards)
-        # One service alone keeps the daemon's key across its restarts; a shard's leader gets a
-        # key of this registration only, so tickets of an earlier leader stop serving.
-        key = self.ticket_key if self.coord is None else tickets.new_key()
+        # A key of this registration only: tickets handed out before it (by an earlier leader,
+        # or by this service before a restart or before it dropped us) stop serving. The
+        # service held the extents of unfinished puts until their write tickets lapsed, but a
+        # re-registration rebuilds its view from the inventory and forgets that; with a new
+        # key no old write ticket can reach an extent it hands out again. (Clients' remembered
+        # read tickets go too: they read those blocks once more through a lease.)
+        key = tickets.new_key()
         resp = await self.stub.RegisterDaemon(
             meta_pb2.RegisterDaemonRequest(daemon=d.info(), inventory=invs, ticket_key=key), timeout=30
         )

@@ -98,11 +98,13 @@ GEN_LIMIT = 1 << 63
 GEN_MAX = (1 << 64) - 1
 
 # Write tickets for a put's extents (kvstore.tickets) expire at int(wall clock + the put's timeout)
-# + 1 and are honoured SKEW_S longer: extents of a put that ends without its blocks committed
-# (aborted, expired, not written, refused) go back to the allocator only this long after the put's
-# deadline (IndexLimits.write_ticket_grace_s), so that a late or replayed write can never land in
-# another put's block (kvstore.meta.quarantine).
-WRITE_TICKET_GRACE_S = tickets.SKEW_S + 2
+# + 1 and are honoured SKEW_S longer by the daemon's clock, which may itself be up to SKEW_S behind
+# this one (that is what the skew allows for): extents of a put that ends without its blocks
+# committed (aborted, expired, not written, refused), and those of its committed blocks dropped
+# while its tickets live, go back to the allocator only this long after the put's deadline
+# (IndexLimits.write_ticket_grace_s), so that a late or replayed write can never land in another
+# put's block (kvstore.meta.quarantine).
+WRITE_TICKET_GRACE_S = 2 * tickets.SKEW_S + 2
 
 
 class Replica:

@@ -134,7 +134,12 @@ def test_a_shard_process_refuses_an_ephemeral_port():
     leads): port 0 would be published as such, and nothing could reach the leader."""
     from kvstore.errors import InvalidArgument
 
-    for sets in (["meta.listen=127.0.0.1:0"], ["meta.listen=127.0.0.1:7100", "cluster.advertise=10.0.0.1:0"]):
+    for sets in (
+        ["meta.listen=127.0.0.1:0"],
+        ["meta.listen=127.0.0.1:00"],
+        ["meta.listen=127.0.0.1:7100", "cluster.advertise=10.0.0.1:0"],
+        ["meta.listen=0.0.0.0:0", "cluster.advertise=10.0.0.1:7100"],
+    ):
         cfg = load_config(None, ["cluster.redis=redis://127.0.0.1:1", *sets])
         with pytest.raises(InvalidArgument, match="fixed port"):
             ShardNode(cfg)
