@@ -126,23 +126,27 @@ def check(
 # peer that can reach the control port could otherwise list every tenant's blocks, drop them, or
 # seal one tenant's extent under another tenant's key. The service signs each call with the key the
 # daemon handed it at registration (the ticket key: no other secret to distribute), over the method,
-# the shard, a wall-clock stamp and the request's deterministic encoding:
+# the shard, a wall-clock stamp, a random nonce and the request's deterministic encoding:
 #
-#     kvstore-control: "<shard>.<stamp>.<mac hex>"
+#     kvstore-control: "<shard>.<stamp>.<nonce hex>.<mac hex>"
 #     mac = BLAKE2b-128(key = ticket key, person = "kvstore-control",
-#                       shard u32 | stamp u64 | method | 0 | request bytes)
+#                       shard u32 | stamp u64 | nonce 8s | method | 0 | request bytes)
 #
-# The daemon accepts a stamp within its ticket skew of its own clock. Without TLS a peer that sees
-# a call may replay that same call within the skew (the calls are idempotent or checked by
-# generation); it cannot make a new one.
+# The daemon accepts a stamp within its ticket skew of its own clock, and each signature once
+# (it remembers those it accepted for as long as their stamps are accepted): a call seen on the
+# wire cannot be played again. This guards against peers that can reach the control port; on a
+# network where peers can also read the traffic, use mutual TLS (the ticket key itself travels in
+# the registration). The signed bytes are the request as the daemon re-encodes it, so the service
+# and its daemons must run the same protocol version of the control messages.
 
 CONTROL_MD = "kvstore-control"
-_CONTROL_HEAD = struct.Struct("<IQ")
+_CONTROL_HEAD = struct.Struct("<IQ8s")
+NONCE_BYTES = 8
 
 
-def control_mac(key: bytes, method: str, shard: int, stamp: int, body: bytes) -> bytes:
+def control_mac(key: bytes, method: str, shard: int, stamp: int, nonce: bytes, body: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=MAC_BYTES, key=key, person=b"kvstore-control")
-    h.update(_CONTROL_HEAD.pack(shard, stamp))
+    h.update(_CONTROL_HEAD.pack(shard, stamp, nonce))
     h.update(method.encode() + b"\0")
     h.update(body)
     return h.digest()
@@ -153,28 +157,63 @@ def sign_control(key: bytes, method: str, shard: int, body: bytes) -> tuple[tupl
     if not key:
         return ()
     stamp = int(time.time())
-    return ((CONTROL_MD, f"{shard}.{stamp}.{control_mac(key, method, shard, stamp, body).hex()}"),)
+    nonce = os.urandom(NONCE_BYTES)
+    tag = control_mac(key, method, shard, stamp, nonce, body)
+    return ((CONTROL_MD, f"{shard}.{stamp}.{nonce.hex()}.{tag.hex()}"),)
 
 
-def parse_control(value: str) -> tuple[int, int, bytes] | None:
-    """(shard, stamp, mac) of a control signature, None if it is not one."""
+def parse_control(value: str) -> tuple[int, int, bytes, bytes] | None:
+    """(shard, stamp, nonce, mac) of a control signature, None if it is not one."""
     parts = value.split(".")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or len(parts[2]) != 2 * MAC_BYTES:
+    if len(parts) != 4 or not parts[0].isdigit() or not parts[1].isdigit():
+        return None
+    if len(parts[2]) != 2 * NONCE_BYTES or len(parts[3]) != 2 * MAC_BYTES:
         return None
     try:
-        tag = bytes.fromhex(parts[2])
+        nonce, tag = bytes.fromhex(parts[2]), bytes.fromhex(parts[3])
     except ValueError:
         return None
     shard, stamp = int(parts[0]), int(parts[1])
     if shard >= 1 << 32 or stamp >= 1 << 64:
         return None
-    return shard, stamp, tag
+    return shard, stamp, nonce, tag
 
 
-def check_control(key: bytes, method: str, shard: int, stamp: int, tag: bytes, body: bytes, skew_s: float) -> str:
-    """Why a signed control call is refused ("" when it is not)."""
+def check_control(
+    key: bytes, method: str, shard: int, stamp: int, nonce: bytes, tag: bytes, body: bytes, skew_s: float
+) -> str:
+    """Why a signed control call is refused ("" when it is not); replays are the caller's to
+    catch (:class:`SeenSignatures`)."""
     if abs(stamp - time.time()) > skew_s + 1:
         return f"signature stamp {stamp} is more than {skew_s:.0f} s from this daemon's clock"
-    if not hmac.compare_digest(tag, control_mac(key, method, shard, stamp, body)):
+    if not hmac.compare_digest(tag, control_mac(key, method, shard, stamp, nonce, body)):
         return "signature does not match this call (another method, shard, request or key)"
     return ""
+
+
+class SeenSignatures:
+    """Control-call signatures accepted while their stamps are still accepted (a replay of one is
+    refused). Thread-safe; memory follows the rate of signed calls over twice the skew."""
+
+    def __init__(self, skew_s: float) -> None:
+        import threading
+        from collections import OrderedDict
+
+        self.keep_s = 2 * (skew_s + 1) + 1
+        self._seen: OrderedDict[bytes, float] = OrderedDict()  # tag -> forget at (wall clock)
+        self._lock = threading.Lock()
+
+    def first(self, tag: bytes) -> bool:
+        """Records ``tag``; False if it was seen before (a replay)."""
+        now = time.time()
+        with self._lock:
+            seen = self._seen
+            while seen:
+                old, until = next(iter(seen.items()))
+                if until > now:
+                    break
+                del seen[old]
+            if tag in seen:
+                return False
+            seen[tag] = now + self.keep_s
+            return True

@@ -169,8 +169,21 @@ class ShmArena:
         the shared-memory put throughput, measured with bench/store_throughput.py.)"""
         if not 0 <= offset <= self.size - HEADER_SIZE - length or length < 0:
             return False
+        # Generations only increase: an extent sealed with this generation is this commit done
+        # before (a retry: the same block is fine), and one sealed with a later generation
+        # holds a newer block that an older (replayed, late) commit must not overwrite.
+        h = sealer.parse(self.view, offset)
+        if h is not None and h.gen >= gen:
+            return h.gen == gen and h.key == key and h.length == length and h.checksum == csum
         self.view[offset : offset + HEADER_SIZE] = sealer.pack(key, length, csum, gen, offset)
         return True
+
+    def sealed_since(self, sealer: Sealer, offset: int, gen: int) -> bool:
+        """Whether the extent at ``offset`` holds a committed block of generation ``gen`` or later."""
+        if not 0 <= offset <= self.size - HEADER_SIZE:
+            return False
+        h = sealer.parse(self.view, offset)
+        return h is not None and h.gen >= gen
 
     def invalidate(self, sealer: Sealer, offset: int, key: bytes, gen: int) -> bool:
         """Clears the header at ``offset`` if it is the committed block (``key``, ``gen``): a

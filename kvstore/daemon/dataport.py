@@ -28,6 +28,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -95,6 +96,13 @@ class DataPort(ReadServing):
         self.max_block_bytes = max_block_bytes
         self._sealer = sealer
         self._verified: dict = {}  # tickets whose MAC matched (check_entries)
+        # Spent write tickets: once a block written with a ticket is committed (spend()), that
+        # ticket (its generation) writes nothing more for as long as it could be honoured. The
+        # block may be removed or evicted meanwhile and its bytes given to another block, at the
+        # same offset or overlapping it, which a late or replayed write must not reach.
+        self._ticketed: dict[int, float] = {}  # generation -> honoured until (wall clock): written
+        self._spent: dict[int, float] = {}  # generation -> honoured until: written and committed
+        self._spent_lock = threading.Lock()
         self._sock = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
@@ -266,8 +274,8 @@ class DataPort(ReadServing):
     def _write(self, conn: socket.socket, op: int, req_id: int, entries: list[tuple], arenas: list) -> None:
         status = bytearray(len(entries))
         total = 0
-        for i, ((key, _s, _e, off, length, csum, gen, _t), seg) in enumerate(zip(entries, arenas)):
-            if self.require_tickets and self._sealed_since(seg, off, gen):
+        for i, ((key, _s, expiry, off, length, csum, gen, _t), seg) in enumerate(zip(entries, arenas)):
+            if self.require_tickets and (gen in self._spent or self._sealed_since(seg, off, gen)):
                 # That generation, or a later one, is committed there: a write ticket replayed
                 # after its commit, or outliving its reservation (aborted or expired, the extent
                 # since given to a later put), must not touch it. Generations only increase.
@@ -295,9 +303,27 @@ class DataPort(ReadServing):
                     status[i] = EntryStatus.IO_ERROR
                     continue
             total += length
+            if self.require_tickets:
+                with self._spent_lock:
+                    self._ticketed[gen] = expiry + self.ticket_skew_s
         conn.sendall(RESP_HEAD.pack(MAGIC, FrameStatus.OK, op, 0, req_id, len(entries), 0) + bytes(status))
         self.counters["writes"] += len(entries)
         self.counters["write_bytes"] += total
+
+    def spend(self, gen: int) -> None:
+        """The block of generation ``gen`` was committed: its write ticket, if one wrote it, is
+        spent (see ``_spent``)."""
+        now = time.time()
+        with self._spent_lock:
+            until = self._ticketed.pop(gen, None)
+            if until is not None and until > now:
+                self._spent[gen] = until
+            for d in (self._ticketed, self._spent):  # oldest first, about: ends are near in order
+                while d:
+                    old, t = next(iter(d.items()))
+                    if t > now:
+                        break
+                    del d[old]
 
     def _sealed_since(self, seg: ShmArena | SsdSegment, off: int, gen: int) -> bool:
         """Whether the extent at ``off`` holds a committed block of generation ``gen`` or later."""

@@ -5,6 +5,7 @@ generation), move blocks between tiers, and list the committed blocks (the inven
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.ssd import SsdSegment
@@ -41,10 +42,17 @@ def dram_inventory(
 class SegmentOps:
     """The operations on a daemon's segments (segment id -> arena), counted in ``counters``."""
 
-    def __init__(self, segments: dict[int, ShmArena | SsdSegment], sealer: Sealer, counters: dict[str, int]) -> None:
+    def __init__(
+        self,
+        segments: dict[int, ShmArena | SsdSegment],
+        sealer: Sealer,
+        counters: dict[str, int],
+        on_commit: Callable[[int], None] | None = None,
+    ) -> None:
         self.segments = segments
         self.sealer = sealer
         self.counters = counters
+        self.on_commit = on_commit  # told each committed generation (the data port spends its ticket)
 
     def move(self, req: daemon_pb2.MoveRequest) -> daemon_pb2.MoveResponse:
         """Copies blocks between segments; a source that fails its check (key, generation,
@@ -75,7 +83,9 @@ class SegmentOps:
                             if dst.commit(do, key, dgen) is None:
                                 size = 0
                 elif isinstance(src, SsdSegment) and isinstance(dst, ShmArena):
-                    if 0 <= do and do + HEADER_SIZE + length <= dst.size:
+                    # Not over a block as new as the copy or newer (a replayed or late move).
+                    fits = 0 <= do and do + HEADER_SIZE + length <= dst.size
+                    if fits and not dst.sealed_since(self.sealer, do, dgen):
                         dst.clear_header(do)
                         out = dst.array[do + HEADER_SIZE : do + HEADER_SIZE + length]
                         status, _ = src.read(so, key, length, out=out, gen=sgen)
@@ -117,6 +127,8 @@ class SegmentOps:
             except OSError as e:
                 log.warning("event=commit_failed key=%s reason=%r", key.hex(), str(e))
                 st = common_pb2.COMMIT_UNAVAILABLE
+            if st == common_pb2.COMMIT_OK and self.on_commit is not None:
+                self.on_commit(gen)
             if st == common_pb2.COMMIT_MISMATCH:
                 log.info("event=commit_refused key=%s segment=%d offset=%d reason=mismatch", key.hex(), seg_id, off)
             status.append(st)

@@ -64,6 +64,7 @@ class _Control:
     def __init__(self, daemon: CacheDaemon) -> None:
         self.daemon = daemon
         self.peers = {p.strip() for p in daemon.cfg.control_peers.split(",") if p.strip()}
+        self.seen = tickets.SeenSignatures(daemon.cfg.ticket_skew_s)
 
     def _check(self, context, method: str, request, shard: int | None = None) -> None:  # noqa: ANN001
         """Only the metadata service may drive the daemon. With mutual TLS: a certificate whose
@@ -92,18 +93,20 @@ class _Control:
             if links and all(link.tickets is False for link in links):
                 return
             raise PermissionDenied(f"{method}: the control API serves only the metadata service (an unsigned call)")
-        sig_shard, stamp, tag = got
+        sig_shard, stamp, nonce, tag = got
         if shard is not None and sig_shard != shard:
             raise PermissionDenied(f"{method}: signed for shard {sig_shard}, asks for shard {shard}")
         if sig_shard >= len(d.links):
             raise PermissionDenied(f"{method}: signed for shard {sig_shard}, this daemon knows {len(d.links)}")
         link = d.links[sig_shard]
         why = tickets.check_control(
-            link.ticket_key, method, sig_shard, stamp, tag, request.SerializeToString(deterministic=True),
+            link.ticket_key, method, sig_shard, stamp, nonce, tag, request.SerializeToString(deterministic=True),
             d.cfg.ticket_skew_s,
         )  # fmt: skip
         if why:
             raise PermissionDenied(f"{method}: {why}")
+        if not self.seen.first(tag):
+            raise PermissionDenied(f"{method}: this signed call was already served (a replay)")
 
     async def Info(self, request, context):
         self._check(context, "Info", request)
@@ -203,7 +206,7 @@ class CacheDaemon:
         self.health = ServerHealth("kvstore.v1.DaemonControl")
         self.counters = dict.fromkeys((name for name, _doc in DAEMON_COUNTERS), 0)
         # What the service has it do to its segments (commit, invalidate, move).
-        self.ops = SegmentOps(self.segments, self.sealer, self.counters)
+        self.ops = SegmentOps(self.segments, self.sealer, self.counters, on_commit=self.dataport.spend)
         self.commit, self.invalidate, self.move = self.ops.commit, self.ops.invalidate, self.ops.move
         self.registry = registry or CollectorRegistry()
         self.registry.register(DaemonCollector(self))

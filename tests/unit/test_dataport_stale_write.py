@@ -149,3 +149,36 @@ def test_write_ticket_where_nothing_is_committed_on_ssd_lands(port):
     assert ssd.commit(off, NEW_KEY, NEW_GEN) is not None
     st, out = ssd.read(off, NEW_KEY, data.size, gen=NEW_GEN)
     assert st.ok and np.array_equal(out, data)
+
+
+def test_a_write_ticket_is_spent_once_its_block_is_committed(port):
+    """A block written with a ticket and committed, then dropped (its header cleared, its bytes
+    free for another block): the same ticket writes nothing more, there or anywhere, while a
+    ticket whose block was never committed still writes (a retry of an unfinished put)."""
+    dp, sealer, arena, _ssd = port
+    off, data = 128 * 1024, np.full(4096, 4, np.uint8)
+    with socket.create_connection(("127.0.0.1", dp.port), timeout=10) as s:
+        assert _write(s, OLD_KEY, DRAM, off, data, OLD_GEN) == EntryStatus.OK
+        assert _write(s, OLD_KEY, DRAM, off, data, OLD_GEN) == EntryStatus.OK  # not committed yet
+        assert arena.commit(sealer, off, OLD_KEY, data.size, checksum(data), OLD_GEN)
+        dp.spend(OLD_GEN)  # what the daemon's commit does
+        assert arena.invalidate(sealer, off, OLD_KEY, OLD_GEN)  # removed: the extent is free
+        other = np.full(4096, 6, np.uint8)  # another block's bytes, written there since, not committed
+        arena.array[off + HEADER_SIZE : off + HEADER_SIZE + other.size] = other
+        assert _write(s, OLD_KEY, DRAM, off, np.full(4096, 0xEE, np.uint8), OLD_GEN) == EntryStatus.MISMATCH
+        assert np.array_equal(arena.array[off + HEADER_SIZE : off + HEADER_SIZE + other.size], other)
+
+
+def test_a_replayed_commit_does_not_seal_over_a_newer_block(port):
+    """A commit of an older generation (a replayed or late control call) leaves a newer sealed
+    block as it is; a commit repeated for the same block is fine."""
+    _dp, sealer, arena, _ssd = port
+    off = 0
+    newer = np.full(4096, 7, np.uint8)
+    _committed_dram(sealer, arena, off, NEW_KEY, newer, NEW_GEN)
+    header = bytes(arena.view[off : off + HEADER_SIZE])
+    assert not arena.commit(sealer, off, OLD_KEY, newer.size, checksum(newer), OLD_GEN)
+    assert not arena.commit(sealer, off, OLD_KEY, newer.size, checksum(newer), NEW_GEN)  # same gen, other block
+    assert bytes(arena.view[off : off + HEADER_SIZE]) == header
+    assert arena.commit(sealer, off, NEW_KEY, newer.size, checksum(newer), NEW_GEN)  # a retry
+    assert bytes(arena.view[off : off + HEADER_SIZE]) == header
