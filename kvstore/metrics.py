@@ -248,6 +248,11 @@ class MetaCollector:
         blocks = GaugeMetricFamily("kvstore_meta_segment_blocks", "Blocks held by the segment", labels=seg_lbl)
         leased = GaugeMetricFamily("kvstore_meta_segment_leased_blocks", "Blocks leased or moving", labels=seg_lbl)
         pinned = GaugeMetricFamily("kvstore_meta_segment_pinned_blocks", "Pinned blocks", labels=seg_lbl)
+        held = GaugeMetricFamily(
+            "kvstore_meta_segment_held_bytes",
+            "Bytes of unfinished puts held back until their write tickets lapse (counted in used bytes)",
+            labels=seg_lbl,
+        )
         for d in list(idx.daemons.values()):
             did = d.spec.daemon_id
             up.add_metric([did, d.spec.host_id], 1.0 if d.deadline >= now else 0.0)
@@ -259,7 +264,8 @@ class MetaCollector:
                 blocks.add_metric(lv, seg.blocks)
                 leased.add_metric(lv, seg.leased)
                 pinned.add_metric(lv, seg.pinned)
-        yield from (up, age, cap, used, blocks, leased, pinned)
+                held.add_metric(lv, seg.quarantined)
+        yield from (up, age, cap, used, blocks, leased, pinned, held)
 
 
 class DaemonCollector:

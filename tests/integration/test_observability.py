@@ -95,6 +95,17 @@ def test_serve_exports_service_and_daemon_metrics_that_move(cluster):
             c._run(c._client._rpc(c._client._stub.PutCommit, meta_pb2.PutCommitRequest(put_id=12345)))
     errs = scrape(mport)
     assert value(errs, "kvstore_rpc_errors_total", method="PutCommit") >= 1
+    # An aborted put's extents are held back until its write tickets lapse, and shown as such.
+    assert value(errs, "kvstore_meta_segment_held_bytes", tier="dram") == 0
+    with SyncKVStoreClient(config=cfg) as c:
+        from kvstore.keys import pack_keys
+        from kvstore.wire import U64, pack
+
+        more, _ = blocks_for(2, 64 << 10, seed=2)
+        req = meta_pb2.PutStartRequest(keys=pack_keys(more), sizes=pack([64 << 10] * 2, U64))
+        put = c._run(c._client._rpc(c._client._stub.PutStart, req))
+        c._run(c._client._rpc(c._client._stub.PutAbort, meta_pb2.PutAbortRequest(put_id=put.put_id)))
+    assert value(scrape(mport), "kvstore_meta_segment_held_bytes", tier="dram") >= 2 * (64 << 10)
 
 
 def test_kvstore_serve_exposes_both_on_one_port(tmp_path):
