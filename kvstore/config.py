@@ -355,6 +355,15 @@ def validate(cfg: Config) -> None:
             f"({m.dram_high_watermark})"
         )
     positive("daemon", "dram_bytes")
+    # The service reuses a freed extent only twice tickets.SKEW_S past its put's deadline (the
+    # skew the daemon allows on its own clock, and as much again for that clock being behind).
+    from kvstore.tickets import SKEW_S
+
+    if not 0 <= cfg.daemon.ticket_skew_s <= SKEW_S:
+        raise InvalidArgument(
+            f"daemon.ticket_skew_s: must be between 0 and {SKEW_S} (the metadata service holds freed extents "
+            f"for twice that past a put's deadline), got {cfg.daemon.ticket_skew_s}"
+        )
     for key in ("data_max_connections", "data_idle_timeout_s", "max_block_bytes"):
         positive("daemon", key)
     positive("daemon", "ssd_bytes", allow_zero=True)

@@ -349,6 +349,8 @@ SPECIAL = {
         (["meta.metrics_port=-2"], "meta.metrics_port: must be -1 .off."),
         (["daemon.metrics_port=65536"], "daemon.metrics_port: must be -1 .off."),
         (["daemon.drain_timeout_s=-1"], "daemon.drain_timeout_s: must be >= 0"),
+        (["daemon.ticket_skew_s=31"], "daemon.ticket_skew_s: must be between 0 and 30"),
+        (["daemon.ticket_skew_s=-1"], "daemon.ticket_skew_s: must be between 0 and 30"),
     ],
 )
 def test_ranges_and_relations_are_checked_at_load_naming_the_key(items, match):
