@@ -1,7 +1,8 @@
 """Capability tickets for the data port.
 
-Every daemon makes a random ticket key when it starts and hands it to the metadata service when
-it registers (over the control channel, mutual TLS where configured). For every placement the
+Every daemon makes a random ticket key each time it registers with the metadata service and hands
+it over with the registration (mutual TLS where configured), so no ticket of an earlier
+registration serves. For every placement the
 service hands out, it signs what the holder may do with that one extent:
 
     mac = BLAKE2b-128(key = daemon's ticket key,
@@ -30,7 +31,9 @@ import hashlib
 import hmac
 import os
 import struct
+import threading
 import time
+from collections import OrderedDict
 
 TICKET = struct.Struct("<16sI")  # mac | expiry: 20 bytes per location
 _SIGNED = struct.Struct("<BIQQQI16s")
@@ -196,9 +199,6 @@ class SeenSignatures:
     refused). Thread-safe; memory follows the rate of signed calls over twice the skew."""
 
     def __init__(self, skew_s: float) -> None:
-        import threading
-        from collections import OrderedDict
-
         self.keep_s = 2 * (skew_s + 1) + 1
         self._seen: OrderedDict[bytes, float] = OrderedDict()  # tag -> forget at (wall clock)
         self._lock = threading.Lock()

@@ -149,6 +149,30 @@ def wait_until(pred: Callable[[], bool], timeout: float = 15.0, interval: float 
     raise AssertionError(f"condition not met within {timeout} s")
 
 
+def raw_call(meta: str, method: str, request):  # noqa: ANN001, ANN201
+    """One MetaService call with a raw request message; a failure raises the typed error."""
+    import grpc
+
+    from kvstore.errors import from_rpc_error
+    from kvstore.v1 import meta_pb2_grpc
+
+    with grpc.insecure_channel(meta) as ch:
+        try:
+            return getattr(meta_pb2_grpc.MetaServiceStub(ch), method)(request, timeout=10)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+
+def recv_all(sock, n: int) -> bytes:  # noqa: ANN001 - a socket
+    """Exactly ``n`` bytes from ``sock``; asserts that the peer does not close first."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, f"connection closed after {len(out)} of {n} bytes"
+        out.extend(chunk)
+    return bytes(out)
+
+
 def locations(meta: str, keys: list[bytes]) -> list:
     """Where the service says the leading stored run of ``keys`` lives (Lookup with locations)."""
     import grpc

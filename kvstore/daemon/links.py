@@ -88,7 +88,9 @@ class MetaLink:
         self.channel: grpc.aio.Channel | None = None
         self.stub: meta_pb2_grpc.MetaServiceStub | None = None
         self.epoch = 0
-        self.ticket_key = daemon.ticket_key
+        # Data-port tickets and control calls are signed with this link's key, made anew at each
+        # registration (register()); until the first, one that no service knows.
+        self.ticket_key = tickets.new_key()
         self.registered = False  # registered with the current leader (and not forgotten since)
         # Whether that leader signs tickets (and control calls) with our key: None until it said.
         self.tickets: bool | None = None

@@ -150,9 +150,6 @@ class CacheDaemon:
         self.daemon_id = cfg.daemon_id or self._stable_id(data_dir)
         self.host_id = cfg.host_id or default_host_id()
         self.sealer = Sealer.load_or_create(data_dir / "daemon.secret")
-        # Data-port tickets are signed with this key by the service (it learns it at registration);
-        # a new one at every start, so tickets of an earlier run do not serve.
-        self.ticket_key = tickets.new_key()
         shm_path = Path(cfg.shm_dir) / f"kvstore-{self.daemon_id}-dram"
         self.dram = ShmArena(shm_path, cfg.dram_bytes, create=True)
         self.segments: dict[int, ShmArena | SsdSegment] = {DRAM_SEGMENT: self.dram}

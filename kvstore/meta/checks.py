@@ -13,8 +13,6 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, unpack_keys
 from kvstore.meta.records import GEN_LIMIT, DaemonSpec, InventoryItem, Tier
 
-_GEN = operator.itemgetter(5)  # InventoryItem.gen
-
 
 class Checks:
     """Validation of the index's inputs (needs ``self.limits``, an IndexLimits)."""
@@ -93,10 +91,9 @@ class Checks:
         for seg_id, items in inventory.items():
             if seg_id not in seg_ids:
                 raise InvalidArgument(f"inventory names unknown segment {seg_id}")
-            gens = list(map(_GEN, items))
-            if gens and not (0 <= min(gens) and max(gens) < GEN_LIMIT):
-                i = next(i for i, g in enumerate(gens) if not 0 <= g < GEN_LIMIT)
+            bad = next((i for i, it in enumerate(items) if not 0 <= it.gen < GEN_LIMIT), None)
+            if bad is not None:
                 raise InvalidArgument(
-                    f"inventory of segment {seg_id}, item {i} (key {bytes(items[i].key).hex()}): "
-                    f"generation {gens[i]} is outside [0, 2**63)"
+                    f"inventory of segment {seg_id}, item {bad} (key {bytes(items[bad].key).hex()}): "
+                    f"generation {items[bad].gen} is outside [0, 2**63)"
                 )

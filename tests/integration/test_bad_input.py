@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import socket
 
-import grpc
 import numpy as np
 import pytest
+from conftest import raw_call
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
-from kvstore.errors import InvalidArgument, NotFound, from_rpc_error
+from kvstore.errors import InvalidArgument, NotFound
 from kvstore.transport.frames import ENTRY, MAGIC, REQ_HEAD, RESP_HEAD, VERSION, FrameStatus, Op
-from kvstore.v1 import meta_pb2, meta_pb2_grpc
+from kvstore.v1 import meta_pb2
 from kvstore.wire import U64, pack
 
 KS = KeySpace(ModelFingerprint("bad-input", "bf16", 2, 2, 64))
@@ -33,15 +33,6 @@ def assert_unchanged(meta: str) -> None:
         assert all(np.array_equal(a, b) for a, b in zip(out, DATA))
         s = c.stats()
         assert s.keys == 4 and s.pending_puts == 0 and s.segments[0].blocks == 4
-
-
-def raw_call(meta: str, method: str, request):
-    with grpc.insecure_channel(meta) as ch:
-        stub = meta_pb2_grpc.MetaServiceStub(ch)
-        try:
-            return getattr(stub, method)(request, timeout=10)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
 
 
 @pytest.mark.parametrize(

@@ -3,25 +3,17 @@ refused whole (INVALID_ARGUMENT), and the service goes on taking puts on its rea
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
+from conftest import raw_call
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
-from kvstore.errors import InvalidArgument, from_rpc_error
-from kvstore.v1 import common_pb2, meta_pb2, meta_pb2_grpc
+from kvstore.errors import InvalidArgument
+from kvstore.v1 import common_pb2, meta_pb2
 from kvstore.wire import U64, pack
 
 KS = KeySpace(ModelFingerprint("generations", "bf16", 2, 2, 64))
 KEYS = KS.block_keys(np.arange(64 * 8))
-
-
-def raw_call(meta: str, method: str, request):  # noqa: ANN001, ANN201
-    with grpc.insecure_channel(meta) as ch:
-        try:
-            return getattr(meta_pb2_grpc.MetaServiceStub(ch), method)(request, timeout=10)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
 
 
 @pytest.mark.parametrize("gen", [2**64 - 1, 2**63])

@@ -3,28 +3,18 @@ honoured (kvstore.meta.quarantine), on a real service and daemon."""
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
-from conftest import locations
+from conftest import locations, raw_call
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
 from kvstore.config import ClientConfig
-from kvstore.errors import from_rpc_error
 from kvstore.extent import ALIGN, extent_size
-from kvstore.v1 import meta_pb2, meta_pb2_grpc
+from kvstore.v1 import meta_pb2
 from kvstore.wire import U64, locations_from_pb, pack
 
 KS = KeySpace(ModelFingerprint("quarantine", "bf16", 2, 2, 64))
 KEYS = KS.block_keys(np.arange(64 * 4))
 N = 4096
-
-
-def raw_call(meta: str, method: str, request):  # noqa: ANN001, ANN201
-    with grpc.insecure_channel(meta) as ch:
-        try:
-            return getattr(meta_pb2_grpc.MetaServiceStub(ch), method)(request, timeout=10)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
 
 
 def test_an_aborted_puts_extent_is_not_handed_to_the_next_put(store) -> None:

@@ -12,6 +12,7 @@ import time
 import tracemalloc
 
 import numpy as np
+from conftest import recv_all
 
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.dataport import DataPort
@@ -33,17 +34,30 @@ PEERS = 50
 MB = 1 << 20
 
 
-def _recv(s: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        assert chunk, f"connection closed after {len(out)} of {n} bytes"
-        out.extend(chunk)
-    return bytes(out)
-
-
 def _unread(s: socket.socket) -> int:
     return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def _wait_taken(dp: DataPort, n: int) -> None:
+    """Until the data port serves ``n`` connections and has taken every byte sent on them."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with dp._lock:
+            conns = list(dp._conns)
+        if len(conns) == n and not any(_unread(c) for c in conns):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the data port did not take every byte its {n} peers sent")
+
+
+def _stop(dp: DataPort, peers: list[socket.socket]) -> None:
+    """Closes the peers and stops the port, waiting for its threads to let go of the segments."""
+    for s in peers:
+        s.close()
+    dp.stop()
+    deadline = time.monotonic() + 10
+    while dp.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_heads_announcing_many_entries_hold_no_memory_for_them(tmp_path):
@@ -62,35 +76,21 @@ def test_heads_announcing_many_entries_hold_no_memory_for_them(tmp_path):
             s = socket.create_connection(("127.0.0.1", dp.port), timeout=10)
             s.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, MAX_ENTRIES))
             peers.append(s)
-        # Every head has been taken off its socket: each connection waits for its entries.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with dp._lock:
-                conns = list(dp._conns)
-            if len(conns) == PEERS and not any(_unread(c) for c in conns):
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError("the data port did not take every head")
+        _wait_taken(dp, PEERS)  # every head taken off its socket: each connection waits for its entries
 
         # A well-behaved client meanwhile.
         with socket.create_connection(("127.0.0.1", dp.port), timeout=10) as good:
             e = ENTRY.pack(b"b" * 16, SEG, 0, 0, data.size, 0, 5, bytes(16))
             good.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 9, 1) + e)
-            magic, status, _op, _f, rid, count, msg_len = RESP_HEAD.unpack(_recv(good, RESP_HEAD.size))
+            magic, status, _op, _f, rid, count, msg_len = RESP_HEAD.unpack(recv_all(good, RESP_HEAD.size))
             assert (magic, status, rid, count, msg_len) == (MAGIC, FrameStatus.OK, 9, 1, 0)
-            assert _recv(good, 1)[0] == EntryStatus.OK
-            assert _recv(good, data.size) == data.tobytes()
+            assert recv_all(good, 1)[0] == EntryStatus.OK
+            assert recv_all(good, data.size) == data.tobytes()
 
         held = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-        for s in peers:
-            s.close()
-        dp.stop()
-        deadline = time.monotonic() + 10
-        while dp.connections and time.monotonic() < deadline:  # their threads let go of the arena
-            time.sleep(0.01)
+        _stop(dp, peers)
         arena.close()
     announced = PEERS * MAX_ENTRIES * ENTRY.size  # 236 MB
     assert held < announced // 8, (held, announced)
@@ -116,15 +116,7 @@ def test_an_ssd_write_holds_memory_for_what_arrived_not_for_what_it_announced(tm
             e = ENTRY.pack(bytes([i]) * 16, ssd_id, 0, 0, big, 0, 1 + i, bytes(16))
             s.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + e + bytes(MB))
             peers.append(s)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # every peer's megabyte was taken off its socket
-            with dp._lock:
-                conns = list(dp._conns)
-            if len(conns) == peers_n and not any(_unread(c) for c in conns):
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError("the data port did not take every peer's bytes")
+        _wait_taken(dp, peers_n)  # every peer's megabyte taken off its socket
         held = tracemalloc.get_traced_memory()[0] - base
         assert held < peers_n * big // 4, (held, peers_n * big)
 
@@ -134,18 +126,13 @@ def test_an_ssd_write_holds_memory_for_what_arrived_not_for_what_it_announced(tm
             e = ENTRY.pack(key, ssd_id, 0, off, data.size, checksum(data), gen, bytes(16))
             good.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 3, 1) + e)
             good.sendall(memoryview(data))
-            magic, status, _op, _f, rid, count, msg_len = RESP_HEAD.unpack(_recv(good, RESP_HEAD.size))
+            magic, status, _op, _f, rid, count, msg_len = RESP_HEAD.unpack(recv_all(good, RESP_HEAD.size))
             assert (magic, status, rid, count, msg_len) == (MAGIC, FrameStatus.OK, 3, 1, 0)
-            assert _recv(good, 1)[0] == EntryStatus.OK
+            assert recv_all(good, 1)[0] == EntryStatus.OK
         assert ssd.commit(off, key, gen) is not None
         st, out = ssd.read(off, key, data.size, gen=gen)
         assert st.ok and np.array_equal(out, data)
     finally:
         tracemalloc.stop()
-        for s in peers:
-            s.close()
-        dp.stop()
-        deadline = time.monotonic() + 10
-        while dp.connections and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _stop(dp, peers)
         ssd.close()

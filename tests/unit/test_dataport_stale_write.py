@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import recv_all
 
 from kvstore import tickets
 from kvstore.daemon.arena import ShmArena
@@ -50,34 +51,25 @@ def _entry(op: int, key: bytes, seg: int, off: int, length: int, csum: int, gen:
     return ENTRY.pack(key, seg, expiry, off, length, csum, gen, mac)
 
 
-def _recv(s: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        assert chunk, f"connection closed after {len(out)} of {n} bytes"
-        out.extend(chunk)
-    return bytes(out)
-
-
 def _write(s: socket.socket, key: bytes, seg: int, off: int, payload: np.ndarray, gen: int) -> int:
     """One WRITE of one entry; its status."""
     e = _entry(Op.WRITE, key, seg, off, payload.size, checksum(payload), gen)
     s.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + e)
     s.sendall(memoryview(payload))
-    magic, status, _op, _f, _rid, count, msg_len = RESP_HEAD.unpack(_recv(s, RESP_HEAD.size))
-    msg = _recv(s, msg_len) if msg_len else b""
+    magic, status, _op, _f, _rid, count, msg_len = RESP_HEAD.unpack(recv_all(s, RESP_HEAD.size))
+    msg = recv_all(s, msg_len) if msg_len else b""
     assert (magic, status, count) == (MAGIC, FrameStatus.OK, 1), msg
-    return _recv(s, 1)[0]
+    return recv_all(s, 1)[0]
 
 
 def _read(s: socket.socket, key: bytes, seg: int, off: int, length: int, gen: int) -> tuple[int, bytes]:
     """One READ of one entry: its status and payload."""
     s.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 2, 1) + _entry(Op.READ, key, seg, off, length, 0, gen))
-    magic, status, _op, _f, _rid, count, msg_len = RESP_HEAD.unpack(_recv(s, RESP_HEAD.size))
-    msg = _recv(s, msg_len) if msg_len else b""
+    magic, status, _op, _f, _rid, count, msg_len = RESP_HEAD.unpack(recv_all(s, RESP_HEAD.size))
+    msg = recv_all(s, msg_len) if msg_len else b""
     assert (magic, status, count) == (MAGIC, FrameStatus.OK, 1), msg
-    st = _recv(s, 1)[0]
-    return st, _recv(s, length) if st == EntryStatus.OK else b""
+    st = recv_all(s, 1)[0]
+    return st, recv_all(s, length) if st == EntryStatus.OK else b""
 
 
 def _committed_dram(sealer: Sealer, arena: ShmArena, off: int, key: bytes, data: np.ndarray, gen: int) -> None:
