@@ -708,10 +708,10 @@ def notes(result: dict) -> list[str]:
         parts = []
         for r in w["rows"]:
             pol = r["kvstore_policy"]
-            keys = {m: pol.get(f"policy_{m}_keys", 0) for m in ("recency", "frequency")}
+            keys = {m: pol.get(f"policy_{m}_keys", 0) for m in ("recency", "second_chance", "frequency")}
             total = sum(keys.values())
             if total:
-                share = ", ".join(f"{m} {_share(n / total)}" for m, n in keys.items() if n)
+                share = ", ".join(f"{m.replace('_', ' ')} {_share(n / total)}" for m, n in keys.items() if n)
                 n_sw = pol.get("policy_mode_switches", 0)
                 parts.append(f"{r['capacity']:,}: {share} ({n_sw} switch{'' if n_sw == 1 else 'es'})")
         if parts:

@@ -165,6 +165,7 @@ def _row(capacity: int, got: dict[str, dict], refs: int) -> dict:
     below = rates["lru"] - rates["kvstore"]
     kv = got["kvstore"]
     freq, rec = kv.get("policy_frequency_keys", 0), kv.get("policy_recency_keys", 0)
+    sc = kv.get("policy_second_chance_keys", 0)
     return {
         "capacity": capacity,
         "hit_rates": {p: round(v, 4) for p, v in rates.items()},
@@ -172,7 +173,8 @@ def _row(capacity: int, got: dict[str, dict], refs: int) -> dict:
         "hit_over_lru": round(rates["kvstore"] / rates["lru"], 4) if rates["lru"] else None,
         "meets_lru_floor": below <= P.LRU_FLOOR,
         "mode_switches": kv.get("policy_mode_switches", 0),
-        "frequency_key_share": round(freq / max(1, freq + rec), 3),
+        "frequency_key_share": round(freq / max(1, freq + rec + sc), 3),
+        "second_chance_key_share": round(sc / max(1, freq + rec + sc), 3),
     }
 
 
@@ -215,8 +217,9 @@ def render(r: dict, png: str | None) -> str:
         f"{r['worst_below_lru']['capacity']:,} blocks, {r['worst_below_lru']['below_lru']:.4f} below LRU; "
         f"floor met everywhere: **{'yes' if r['floor_met_everywhere'] else 'no'}**.",
         "",
-        "| variant | capacity | kvstore | LRU | tail-first LRU | optimal | kvstore / LRU | switches | keys in frequency mode |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | capacity | kvstore | LRU | tail-first LRU | optimal | kvstore / LRU | switches | keys in frequency mode "
+        "| keys in second-chance mode |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, v in r["variants"].items():
         for row in v["rows"]:
@@ -225,7 +228,8 @@ def render(r: dict, png: str | None) -> str:
             flag = "" if row["meets_lru_floor"] else " **below floor**"
             lines.append(
                 f"| {name} | {row['capacity']:,} | {h['kvstore']:.4f}{flag} | {h['lru']:.4f} | {h['tail_first_lru']:.4f} "
-                f"| {h['optimal']:.4f} | {ratio} | {row['mode_switches']} | {row['frequency_key_share']:.0%} |"
+                f"| {h['optimal']:.4f} | {ratio} | {row['mode_switches']} | {row['frequency_key_share']:.0%} "
+                f"| {row.get('second_chance_key_share', 0):.0%} |"
             )
     lines += ["", "Variants:", ""]
     lines += [

@@ -212,6 +212,11 @@ class MetaCollector:
             f"1 while the {idx.policy.name} cache policy evicts and admits by frequency, 0 by recency",
             value=pol.get("policy_frequency_mode", 0),
         )
+        yield GaugeMetricFamily(
+            "kvstore_meta_policy_second_chance_mode",
+            f"1 while the {idx.policy.name} cache policy evicts by recency with a second chance for blocks read again",
+            value=pol.get("policy_second_chance_mode", 0),
+        )
         yield _counter(
             "kvstore_meta_policy_mode_switches_total",
             "Times the adaptive cache policy changed mode",
@@ -223,7 +228,7 @@ class MetaCollector:
             "predicts the index; the adaptive policy weighs each shadow by it)",
             labels=["mode"],
         )
-        for mode in ("recency", "frequency"):
+        for mode in ("recency", "frequency", "second_chance"):
             cal.add_metric([mode], pol.get(f"policy_{mode}_calibration_permille", 1000) / 1000)
         yield cal
         yield GaugeMetricFamily(

@@ -1,12 +1,12 @@
-"""How the adaptive cache policy (:mod:`kvstore.meta.policy`) chooses its mode: two shadow caches,
-one per mode, each the mode in miniature, replay a hash-sampled 1 in S of the keys and count
+"""How the adaptive cache policy (:mod:`kvstore.meta.policy`) chooses its mode: three shadow
+caches, one per mode, each the mode in miniature, replay a hash-sampled 1 in S of the keys and count
 their prefix hits on them, and :class:`Duel` moves the policy to the mode whose shadow clearly
 earns more, each shadow's hits weighed by what the index itself earned per shadow hit in that
 mode (:meth:`Duel.calibration`). Set dueling: Qureshi et al., ISCA 2007; the regret idea of
 LeCaR: Vietri et al., HotStorage 2018; spatial sampling as in SHARDS: Waldspurger et al., FAST
 2015.
 
-A shadow takes a request's sampled keys in chain order and returns its prefix hits; both
+A shadow takes a request's sampled keys in chain order and returns its prefix hits; all
 shadows touch a request's blocks tail first, as the index does, so a chain's head is the most
 recent and a request longer than the shadow keeps its head. Each holds at most ``capacity``
 keys, which the duel changes as the index grows or shrinks.
@@ -18,6 +18,7 @@ import math
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 SAMPLE = 64  # blocks a sampled eviction looks at (hyperbolic caching, Redis' LFU)
 AGE_FACTOR = 10  # counts halve every AGE_FACTOR x the cache size accesses (TinyLFU)
@@ -31,8 +32,8 @@ HISTORY_FACTOR = AGE_FACTOR  # counts of blocks not stored, for HISTORY_FACTOR x
 # cache size a document-QA window held about 16 requests, so a few of them decided the mode.
 WINDOW_FACTOR = 4 * AGE_FACTOR
 MAX_COUNT = 255
-RECENCY, FREQUENCY = 0, 1
-MODES = ("recency", "frequency")
+RECENCY, FREQUENCY, SECOND_CHANCE = 0, 1, 2
+MODES = ("recency", "frequency", "second_chance")
 SHADOW_BLOCKS = 2048  # sampled blocks a shadow holds (set dueling: 32 sets of a few thousand lines)
 MIN_SHADOW = 64
 MARGIN = 0.05
@@ -83,6 +84,45 @@ class ShadowLru:
                 while len(d) > self.capacity:
                     d.popitem(last=False)
         return hits
+
+
+class ShadowSecondChance:
+    """Tail-first block LRU whose blocks read again since they came in, or since their last
+    second chance, get one more pass when they reach the end: the second-chance mode in
+    miniature."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.d: OrderedDict[bytes, bool] = OrderedDict()  # recency order; value: read again
+
+    def access(self, keys: Sequence[bytes]) -> int:
+        d = self.d
+        hits = leading(keys, d)
+        for k in reversed(keys):
+            if k in d:
+                d[k] = True
+                d.move_to_end(k)
+                continue
+            while len(d) >= self.capacity:
+                self._evict()
+            d[k] = False
+        return hits
+
+    def _evict(self) -> None:
+        d = self.d
+        passed = []
+        for v, again in d.items():
+            if not again:
+                break
+            passed.append(v)
+        if len(passed) == len(d):
+            passed = passed[1:]  # all read again: the least recent goes anyway
+            del d[next(iter(d))]
+        else:
+            del d[next(islice(iter(d), len(passed), None))]
+        for v in passed:
+            d[v] = False
+            d.move_to_end(v)
 
 
 class ShadowLfu:
@@ -150,29 +190,36 @@ class Duel:
     a shadow's size in sampled accesses (four of the periods the policy's counts age over).
 
     The mode starts as recency (plain LRU). Until the index first needs room (the policy is
-    asked for a victim), both modes have stored the same blocks (demotion may have moved
+    asked for a victim), all modes have stored the same blocks (demotion may have moved
     different ones to SSD), so a switch costs nothing and the mode is simply what the rule for
     entering frequency mode says at each request, without hysteresis. The index leaves that
     free phase in the mode it is in, so the rule stays the full one: a frequency mode entered
     on less (the rule was once any lead, and a tie kept the mode) sticks, because leaving it
-    then takes recency's margin. From then on the mode moves only on evidence and past the
-    margin, both ways (see :meth:`choose`)."""
+    then takes recency's margin. From then on the mode moves only on evidence: between
+    recency and second chance past the noise of their paired difference, to and from
+    frequency also past the margin, both ways (see :meth:`decide` and :meth:`choose`)."""
 
     def __init__(self) -> None:
         self.mode = RECENCY
+        # The recency family's member the policy uses when not in frequency mode (RECENCY or
+        # SECOND_CHANCE; see decide()).
+        self.variant = RECENCY
         self.switches = 0
         self.free = True  # no victim asked for yet: a switch costs nothing
-        self.keys_in = [0, 0]  # keys accessed in each mode
+        self.keys_in = [0, 0, 0]  # keys accessed in each mode
         self._reset(1)
 
     def _reset(self, s: int) -> None:
         self.s = s
-        self.shadows = (ShadowLru(MIN_SHADOW), ShadowLfu(MIN_SHADOW))
-        self.hits = [0.0, 0.0]  # per mode, the shadow's decayed prefix hits
+        self.shadows = (ShadowLru(MIN_SHADOW), ShadowLfu(MIN_SHADOW), ShadowSecondChance(MIN_SHADOW))
+        self.hits = [0.0, 0.0, 0.0]  # per mode, the shadow's decayed prefix hits
         # Calibration, per mode, over the requests served in that mode: the index's own decayed
         # prefix hits on the sampled keys, and the mode's shadow's (see calibration()).
-        self.real = [0.0, 0.0]
-        self.shadowed = [0.0, 0.0]
+        self.real = [0.0, 0.0, 0.0]
+        self.shadowed = [0.0, 0.0, 0.0]
+        # The decayed sum of squared per-request differences between the second-chance and the
+        # recency shadow's hits: the variance of their paired difference (see decide()).
+        self.paired = 0.0
 
     def observe(self, keys: Sequence[bytes], indexed: int, held: int) -> None:
         """A request's keys, with ``indexed`` blocks in the index, which held the first ``held``."""
@@ -191,67 +238,89 @@ class Duel:
         real = sum(taken[:held])  # the index's prefix hits on the sampled keys
         decay = 0.5 ** (len(sample) / (WINDOW_FACTOR * size))
         hits, cal_real, cal_shadow = self.hits, self.real, self.shadowed
-        got = [0, 0]
+        got = [0, 0, 0]
         for i, shadow in enumerate(self.shadows):
             shadow.capacity = size
             got[i] = shadow.access(sample)
             hits[i] = hits[i] * decay + got[i]
             cal_real[i] *= decay
             cal_shadow[i] *= decay
+        self.paired = self.paired * decay + (got[SECOND_CHANCE] - got[RECENCY]) ** 2
         if not self.free:  # before the first eviction the index is what neither mode would be
             cal_real[self.mode] += real
             cal_shadow[self.mode] += got[self.mode]
         self.decide()
 
     def decide(self) -> None:
-        """Chooses the mode from the shadows' hits, calibrated (see :meth:`calibration`)."""
-        k_rec, k_freq = self.calibration()
-        lru, lfu = self.hits
-        # Poisson noise is the raw counts'; a count weighed by k has k times its deviation.
-        self.choose(k_rec * lru, k_freq * lfu, k_rec * k_rec * lru + k_freq * k_freq * lfu)
+        """Chooses the mode from the shadows' hits, calibrated (see :meth:`calibration`), in two
+        steps. First the recency family's member: second chance or plain recency, whichever
+        shadow earns more by more than SIGNIFICANCE standard deviations of their paired
+        difference. The two see the same sampled requests and keep nearly the same blocks, so
+        the noise of their difference is that of the requests where they differ (the decayed
+        sum of squared per-request differences), far below the Poisson noise of either count,
+        and the switch between them needs no margin: they differ only in the order in which
+        blocks that were read again leave, so a switch throws away nothing the other would
+        have kept for long. Then frequency against that member, as :meth:`choose` says."""
+        k = self.calibration()
+        hits = self.hits
+        rec, sc = k[RECENCY] * hits[RECENCY], k[SECOND_CHANCE] * hits[SECOND_CHANCE]
+        noise = SIGNIFICANCE * max(k[RECENCY], k[SECOND_CHANCE]) * math.sqrt(self.paired)
+        if self.variant == RECENCY and sc - rec > noise:
+            self.variant = SECOND_CHANCE
+        elif self.variant == SECOND_CHANCE and rec - sc > noise:
+            self.variant = RECENCY
+        v = self.variant
+        self.choose(
+            k[v] * hits[v], k[FREQUENCY] * hits[FREQUENCY], k[v] ** 2 * hits[v] + k[FREQUENCY] ** 2 * hits[FREQUENCY]
+        )
 
-    def calibration(self) -> tuple[float, float]:
+    def calibration(self) -> tuple[float, float, float]:
         """What the index earns per hit of each mode's shadow: its own prefix hits on the sampled
         keys over the shadow's, on the requests it served in that mode (decayed as the shadows'
         hits are). A shadow is the mode in miniature, not the mode: sampling keys from chains
-        biases both (on the trace at 1 in 4, each shadow counts about a fifth fewer hits than the
-        index earns), and the frequency shadow, which keeps its own counts, can promise more
-        than the index in frequency mode delivers (a trace with two tenants at 30k blocks: 10 %
-        more hits than recency's shadow, while the index in frequency mode fell below LRU). The
-        duel compares the calibrated estimates, so a mode that does not deliver what its shadow
-        promised is left, and not re-entered on the same promise. Frequency's ratio is capped
-        at recency's: the calibration only ever takes back a promise, it never makes one (an
-        index in frequency mode that beats its shadow is no evidence against recency, whose
-        shadow replays it exactly; letting it raise the estimate made the mode flip more often
-        on chat at 1k blocks, where frequency mode never pays).
+        biases all of them (on the trace at 1 in 4, each shadow counts about a fifth fewer hits
+        than the index earns), and the frequency shadow, which keeps its own counts, can
+        promise more than the index in frequency mode delivers (a trace with two tenants at 30k
+        blocks: 10 % more hits than recency's shadow, while the index in frequency mode fell
+        below LRU). The duel compares the calibrated estimates, so a mode that does not deliver
+        what its shadow promised is left, and not re-entered on the same promise. The other
+        modes' ratios are capped at recency's: the calibration only ever takes back a promise,
+        it never makes one (an index in frequency mode that beats its shadow is no evidence
+        against recency, whose shadow replays it exactly; letting it raise the estimate made
+        the mode flip more often on chat at 1k blocks, where frequency mode never pays).
 
         Each ratio starts from a prior worth PRIOR_HITS shadow hits: 1 for recency's (its shadow
         replays exactly what the index does in recency mode, less the sampling), recency's for
-        frequency's (the same sampling). With no evidence of its own a mode keeps the prior,
-        and as the evidence decays, when the index stays in the other mode, the ratio drifts
+        the others (the same sampling). With no evidence of its own a mode keeps the prior,
+        and as the evidence decays, when the index stays in another mode, the ratio drifts
         back to it: the mode gets tried again."""
         k_rec = (self.real[RECENCY] + PRIOR_HITS) / (self.shadowed[RECENCY] + PRIOR_HITS)
-        k_freq = (self.real[FREQUENCY] + k_rec * PRIOR_HITS) / (self.shadowed[FREQUENCY] + PRIOR_HITS)
-        return k_rec, min(k_freq, k_rec)
+
+        def capped(m: int) -> float:
+            return min(k_rec, (self.real[m] + k_rec * PRIOR_HITS) / (self.shadowed[m] + PRIOR_HITS))
+
+        return k_rec, capped(FREQUENCY), capped(SECOND_CHANCE)
 
     def choose(self, lru: float, lfu: float, var: float | None = None) -> None:
-        """Switches mode only on evidence, given each mode's calibrated shadow hits (``lru``,
-        ``lfu``; see :meth:`decide`): into frequency mode (which declines blocks) when its
-        shadow earns MARGIN more than recency's, back when recency's earns MARGIN more than
-        frequency's, and either switch needs a difference above SIGNIFICANCE standard deviations
-        of the counting noise (hit counts of sampled keys: about Poisson, so sqrt(lfu + lru) for
-        their difference, or sqrt(``var``) for counts that were weighed). A difference the noise
-        or the margin explains changes nothing: each switch costs the blocks the new mode would
-        not have kept. While the switch is free (see
-        the class), the mode is what the rule for entering frequency mode says now: no
-        hysteresis, and recency (plain LRU) unless the evidence is there."""
+        """Switches between the recency family (its member :attr:`variant`) and frequency mode
+        only on evidence, given each side's calibrated shadow hits (``lru``, ``lfu``; see
+        :meth:`decide`): into frequency mode (which declines blocks) when its shadow earns
+        MARGIN more than the family's, back when the family's earns MARGIN more than
+        frequency's, and either switch needs a difference above SIGNIFICANCE standard
+        deviations of the counting noise (hit counts of sampled keys: about Poisson, so
+        sqrt(lfu + lru) for their difference, or sqrt(``var``) for counts that were weighed).
+        A difference the noise or the margin explains changes nothing: each switch costs the
+        blocks the new mode would not have kept. While the switch is free (see the class), the
+        mode is what the rule for entering frequency mode says now: no hysteresis, and the
+        family unless the evidence is there."""
         d = lfu - lru
         noise = SIGNIFICANCE * math.sqrt(lfu + lru if var is None else var)
         enter = d > noise and lfu > lru * (1 + MARGIN)
-        if self.free or self.mode == RECENCY:
-            mode = FREQUENCY if enter else RECENCY
-        else:  # frequency mode stays unless recency clearly earns more
-            mode = RECENCY if -d > noise and lru > lfu * (1 + MARGIN) else FREQUENCY
+        if self.free or self.mode != FREQUENCY:
+            freq = enter
+        else:  # frequency mode stays unless the family clearly earns more
+            freq = not (-d > noise and lru > lfu * (1 + MARGIN))
+        mode = FREQUENCY if freq else self.variant
         if mode != self.mode:
             self.mode = mode
             self.switches += 1

@@ -7,9 +7,15 @@ Two policies, chosen by ``meta.cache_policy``:
   its chain tail first, so a chain's tail leaves before its head (a block is worthless without
   its predecessors). What vLLM's prefix cache does.
 - ``adaptive`` (the default): the same recency order, plus a per-block access count, and a
-  choice, made continuously from what the traffic rewards, between two ways of using them:
+  choice, made continuously from what the traffic rewards, between three ways of using them:
 
   * *recency mode*: as ``lru``;
+  * *second-chance mode*: the recency order, but a block read again since it was stored (or
+    since its last second chance) is passed over once when it is the least recent: it loses
+    its mark and goes to the most recent end (CLOCK's second chance, Corbato 1968, on the LRU
+    order; the lazy promotion of Yang et al., HotOS 2023). Blocks a conversation came back to
+    outlast one-time tails by up to one more pass through the cache, and every block is still
+    stored;
   * *frequency mode*: the victim is the least-counted of the ``SAMPLE`` least recent evictable
     blocks (sampled LFU, as Redis' LFU and hyperbolic caching evict), and a new block is stored
     only if its count is above that victim's (TinyLFU-style admission): a request's one-time
@@ -21,8 +27,10 @@ Two policies, chosen by ``meta.cache_policy``:
   of 10 x the cache size), lazily, by an epoch stamp, so aging costs nothing up front.
 
   The mode is chosen by dueling shadow caches (:mod:`kvstore.meta.duel`): each mode in
-  miniature replays a hash-sampled part of the keys (about ``SHADOW_BLOCKS`` blocks' worth), and
-  the policy moves to the mode whose shadow earns clearly more prefix hits: ``MARGIN`` more,
+  miniature replays a hash-sampled part of the keys (about ``SHADOW_BLOCKS`` blocks' worth).
+  Between recency and second chance, which keep nearly the same blocks, the policy takes the
+  one whose shadow earns more by more than the noise of their paired difference. Against
+  frequency it moves to the mode whose shadow earns clearly more prefix hits: ``MARGIN`` more,
   and a difference above ``SIGNIFICANCE`` standard deviations of the sampling noise (the
   conventional two-sided 95 % level), the same hysteresis both ways, so that noise does not
   flip the mode back and forth (every switch costs the blocks the other mode would have kept).
@@ -35,13 +43,15 @@ Two policies, chosen by ``meta.cache_policy``:
   frequency wins where most blocks are used once and a few prefixes are used by many
   (production conversation traces).
 
-Chain order in both modes: a request's blocks are touched tail first, so among equal counts the
+Chain order in every mode: a request's blocks are touched tail first, so among equal counts the
 tail is older; a descendant is never counted more than its ancestors (every request that reads
-it reads them), so the frequency mode also takes a chain's tail before its head. Admission goes
-in chain order too: once a block of a put is declined, the rest of that put is.
+it reads them), so the frequency mode also takes a chain's tail before its head; a read marks a
+block and its ancestors together, so second chance passes a chain over tail first too.
+Admission goes in chain order too: once a block of a put is declined, the rest of that put is.
 
 Costs: O(1) per touched block (dictionary operations and counter arithmetic), O(``SAMPLE``) per
-eviction in frequency mode. Parameters come from the papers named above, not from fitting a
+eviction in frequency mode, O(1) per block read, amortized, for second chance's passes (each
+spends a mark a read set). Parameters come from the papers named above, not from fitting a
 workload: 10 % / 10 x periods (TinyLFU), 64 samples (hyperbolic caching), shadow caches of a few
 hundred blocks (set dueling uses 32 sets of a few thousand lines), switches at the 95 %
 significance level, and the duel's evidence weighed over four aging periods (the span the
@@ -54,7 +64,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.meta.duel import AGE_FACTOR, FREQUENCY, HISTORY_FACTOR, MAX_COUNT, MODES, SAMPLE, Duel
+from kvstore.meta.duel import AGE_FACTOR, FREQUENCY, HISTORY_FACTOR, MAX_COUNT, MODES, SAMPLE, SECOND_CHANCE, Duel
 
 if TYPE_CHECKING:
     from kvstore.meta.records import Entry, Replica
@@ -143,6 +153,9 @@ class AdaptivePolicy(LruPolicy):
         self._n = 0
         self.history: OrderedDict[bytes, int] = OrderedDict()
         self.duel = Duel()
+        # Second-chance mode's spells, numbered: a block is marked (read again) when its
+        # ``again`` is the current spell's number (see _second_chance).
+        self._spell = 1
         # With ``defer`` (the service sets it), accesses are queued and accounted at the next
         # drain(): the service drains right after answering, so a read's accounting is off its
         # critical path. Every other method drains first, and the index tells the policy of a
@@ -155,6 +168,10 @@ class AdaptivePolicy(LruPolicy):
     @property
     def frequency_mode(self) -> bool:
         return self.duel.mode == FREQUENCY
+
+    @property
+    def second_chance_mode(self) -> bool:
+        return self.duel.mode == SECOND_CHANCE
 
     @property
     def mode_switches(self) -> int:
@@ -187,10 +204,13 @@ class AdaptivePolicy(LruPolicy):
         epoch = self.epoch
         stamp = epoch << _EPOCH_SHIFT
         hist = self.history
+        spell = self._spell if self.duel.mode == SECOND_CHANCE else 0
         for k in keys:
             e = get(k)
             if e is not None:
                 e.freq = stamp | min(MAX_COUNT, _count(e.freq, epoch) + 1)
+                if spell:
+                    e.again = spell
             else:
                 old = hist.pop(k, None)
                 hist[k] = stamp | min(MAX_COUNT, (_count(old, epoch) if old is not None else 0) + 1)
@@ -201,7 +221,10 @@ class AdaptivePolicy(LruPolicy):
         if self._n >= AGE_FACTOR * self._population():
             self._n = 0
             self.epoch += 1
+        was = self.duel.mode
         self.duel.observe(keys, len(self.entries), hits)
+        if self.duel.mode == SECOND_CHANCE and was != SECOND_CHANCE:
+            self._spell += 1  # a new spell: marks of an earlier one no longer count
 
     def created(self, e: Entry) -> None:
         self.drain()
@@ -228,6 +251,8 @@ class AdaptivePolicy(LruPolicy):
     def pick(self, candidates: Iterator[Replica]) -> Replica | None:
         self.drain()
         self.duel.free = False
+        if self.second_chance_mode:
+            return self._second_chance(candidates)
         if not self.frequency_mode:
             return next(candidates, None)
         best = None
@@ -239,6 +264,35 @@ class AdaptivePolicy(LruPolicy):
                 best, best_c = rep, c
         return best
 
+    def _second_chance(self, candidates: Iterator[Replica]) -> Replica | None:
+        """CLOCK's second chance on the recency order: the least recent block not read again
+        (in this spell of second-chance mode) since it was stored or since its last second
+        chance; those passed over lose the mark and go to the most recent end of their
+        segment's order, in their order. If every candidate was read again, the least recent
+        goes (after the others are passed over).
+
+        The walk has no bound, as CLOCK's hand has none: each block passed over spends a mark
+        that a read set, so the walks cost O(1) per block read, amortized; marks are set only in
+        this mode, and a new spell of it starts with none, so no walk crosses marks left from
+        before. Chain order holds: a read marks a block and its predecessors together and
+        touches the predecessors last, so a block reaches the end after its descendants, and a
+        descendant passed over earlier is either unmarked (found first) or was read again
+        (and so were its predecessors, after it)."""
+        passed: list[Replica] = []
+        victim = None
+        spell = self._spell
+        for rep in candidates:
+            if rep.entry.again != spell:
+                victim = rep
+                break
+            passed.append(rep)
+        if victim is None and passed:
+            victim = passed.pop(0)
+        for rep in passed:  # after the walk: the candidates iterate the segment's order
+            rep.entry.again = 0
+            rep.segment.lru.move_to_end(rep.entry.key)
+        return victim
+
     def admits(self, key: bytes, victim: Replica) -> bool:
         self.drain()
         if not self.frequency_mode:
@@ -247,7 +301,7 @@ class AdaptivePolicy(LruPolicy):
 
     def demotion_order(self, candidates: Iterable[Replica], want: int) -> list[Replica]:
         self.drain()
-        if not self.frequency_mode:
+        if not self.frequency_mode and not self.second_chance_mode:
             return super().demotion_order(candidates, want)
         # Least counted first among the least recent (at least SAMPLE of them), ties oldest first.
         pool: list[Replica] = []
@@ -257,19 +311,25 @@ class AdaptivePolicy(LruPolicy):
                 break
             pool.append(rep)
             acc += rep.size
-        epoch = self.epoch
-        pool.sort(key=lambda r: _stored(r.entry, epoch))  # stable: recency breaks ties
+        if self.second_chance_mode:  # blocks not read again first, stable: recency breaks ties
+            spell = self._spell
+            pool.sort(key=lambda r: r.entry.again == spell)
+        else:
+            epoch = self.epoch
+            pool.sort(key=lambda r: _stored(r.entry, epoch))  # stable: recency breaks ties
         return super().demotion_order(pool, want)
 
     def check_integrity(self) -> None:
         self.drain()
         assert not any(k in self.entries for k in self.history), "a stored block's count is also in the history"
         assert all(_count(e.freq, self.epoch) <= MAX_COUNT for e in self.entries.values())
+        assert all(0 <= e.again <= self._spell for e in self.entries.values()), "a mark of a spell yet to come"
 
     def stats(self) -> dict[str, int]:
         # Read-only, without a drain: the metrics thread calls it while the service runs.
         return {
             "policy_frequency_mode": int(self.frequency_mode),
+            "policy_second_chance_mode": int(self.second_chance_mode),
             "policy_mode_switches": self.mode_switches,
             **{f"policy_{m}_keys": n for m, n in zip(MODES, self.duel.keys_in)},
             "policy_history": len(self.history),

@@ -141,11 +141,12 @@ class Replica:
 
 
 class Entry:
-    __slots__ = ("key", "complete", "replicas", "pinned", "put_id", "moving", "freq")
+    __slots__ = ("key", "complete", "replicas", "pinned", "put_id", "moving", "freq", "again")
 
     def __init__(self, key: bytes, put_id: int) -> None:
         self.key = key
         self.freq = 0  # the cache policy's access count (kvstore.meta.policy)
+        self.again = 0  # second-chance mode's mark: the spell in which it was last read again
         self.complete = False
         self.replicas: list[Replica] = []
         self.pinned = False

@@ -77,9 +77,11 @@ def test_serve_exports_service_and_daemon_metrics_that_move(cluster):
     assert value(after, "kvstore_meta_keys") == 8
     assert value(after, "kvstore_meta_not_admitted_keys_total") == 0  # a roomy pool stores everything
     assert value(after, "kvstore_meta_policy_frequency_mode") in (0, 1)
-    # No eviction yet: each shadow's calibration is its prior (1 for recency, recency's for frequency).
+    # No eviction yet: each shadow's calibration is its prior (1 for recency, recency's for the others).
     assert value(after, "kvstore_meta_policy_calibration", mode="recency") == 1.0
     assert value(after, "kvstore_meta_policy_calibration", mode="frequency") == 1.0
+    assert value(after, "kvstore_meta_policy_calibration", mode="second_chance") == 1.0
+    assert value(after, "kvstore_meta_policy_second_chance_mode") == 0  # it starts in recency mode
     assert value(after, "kvstore_meta_segment_used_bytes", tier="dram") >= 8 * (64 << 10)
     # The daemon moved the bytes over TCP and committed the blocks.
     moved = lambda m, direction: value(m, "kvstore_daemon_bytes_total", transport="tcp", direction=direction)  # noqa: E731

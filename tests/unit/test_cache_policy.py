@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.meta import duel as du
 from kvstore.meta import policy as pol
-from kvstore.meta.duel import FREQUENCY, RECENCY
+from kvstore.meta.duel import FREQUENCY, RECENCY, SECOND_CHANCE
 from kvstore.meta.index import Index, IndexLimits, PutStatus
 from tests.unit.test_index import BLK, FakeClock, dspec, k, pk, seg
 
@@ -19,13 +19,15 @@ ALLOCATED = PutStatus.ALLOCATED
 NOT_ADMITTED = PutStatus.NOT_ADMITTED
 
 
-def make(slots: int = 8, policy: str = "adaptive", frequency: bool | None = None) -> Index:
+def make(slots: int = 8, policy: str = "adaptive", frequency: bool | None = None, mode: int | None = None) -> Index:
     idx = Index(IndexLimits(cache_policy=policy), FakeClock())
     idx.register_daemon(dspec(slots=slots), {})
     if frequency is not None:
+        mode = FREQUENCY if frequency else RECENCY
+    if mode is not None:
         # Pin the mode: these tests are about what each mode does.
-        idx.policy.duel.mode = FREQUENCY if frequency else RECENCY
-        idx.policy.duel.choose = lambda *args: None  # type: ignore[method-assign]
+        idx.policy.duel.mode = mode
+        idx.policy.duel.decide = lambda *args: None  # type: ignore[method-assign]
     return idx
 
 
@@ -98,10 +100,10 @@ def test_a_declined_block_stops_the_rest_of_the_put():
     assert st == [NOT_ADMITTED, NOT_ADMITTED, NOT_ADMITTED]
 
 
-@pytest.mark.parametrize("frequency", [False, True])
-def test_never_evicts_leased_pinned_or_unwritten_blocks(frequency: bool):
+@pytest.mark.parametrize("mode", [RECENCY, FREQUENCY, SECOND_CHANCE])
+def test_never_evicts_leased_pinned_or_unwritten_blocks(mode: int):
     rng = random.Random(5)
-    idx = make(slots=6, frequency=frequency)
+    idx = make(slots=6, mode=mode)
     for _ in range(4):
         request(idx, 0, 1, 2, 3, 4, 5)
     lease = idx.acquire(pk(0, 1))  # leased
@@ -161,7 +163,8 @@ def test_history_is_bounded():
         assert len(idx.policy.history) <= limit
     assert len(idx.policy.history) == limit
     # The shadows are bounded too.
-    lru, lfu = idx.policy.duel.shadows
+    lru, lfu, sc = idx.policy.duel.shadows
+    assert len(sc.d) <= sc.capacity
     assert len(lru.d) <= lru.capacity
     assert len(lfu.d) <= lfu.capacity
     assert len(lfu.history) <= pol.HISTORY_FACTOR * lfu.capacity
@@ -273,26 +276,27 @@ def test_a_mode_that_does_not_deliver_what_its_shadow_promised_is_left():
     not bring the mode back; with no evidence of its own, or evidence that it over-delivers,
     the estimate is the shadow's, scaled as recency's."""
     d = du.Duel()
-    assert d.calibration() == (1.0, 1.0)
+    assert d.calibration() == (1.0, 1.0, 1.0)
     d.free = False
     d.mode = FREQUENCY
-    d.hits = [1000.0, 1100.0]
+    d.hits = [1000.0, 1100.0, 1000.0]
     d.decide()
     assert d.mode == FREQUENCY  # uncalibrated, the promise stands
-    d.real = [0.0, 600.0]
-    d.shadowed = [0.0, 1100.0]
-    k_rec, k_freq = d.calibration()
+    d.real = [0.0, 600.0, 0.0]
+    d.shadowed = [0.0, 1100.0, 0.0]
+    k_rec, k_freq, _ = d.calibration()
     assert k_rec == 1.0 and k_freq == pytest.approx((600 + du.PRIOR_HITS) / (1100 + du.PRIOR_HITS))
     d.decide()  # 1100 * 0.81 = 896, recency 12 % ahead and past the noise
     assert d.mode == RECENCY and d.switches == 1
     d.decide()
     assert d.mode == RECENCY and d.switches == 1, "re-entered on the same promise"
-    d.real = [0.0, 2000.0]  # the index in frequency mode earned more than its shadow counted
+    d.real = [0.0, 2000.0, 0.0]  # the index in frequency mode earned more than its shadow counted
     assert d.calibration()[1] == d.calibration()[0], "a calibration may take back a promise, not make one"
     # Recency's ratio from evidence of its own: what the index earned over what its shadow counted.
-    d.real = [3000.0, 600.0]
-    d.shadowed = [2400.0, 1100.0]
-    k_rec, k_freq = d.calibration()
+    d.real = [3000.0, 600.0, 0.0]
+    d.shadowed = [2400.0, 1100.0, 0.0]
+    k_rec, k_freq, k_sc = d.calibration()
+    assert k_sc == pytest.approx(k_rec), "no evidence of its own: recency's ratio"
     assert k_rec == pytest.approx((3000 + du.PRIOR_HITS) / (2400 + du.PRIOR_HITS))
     assert k_freq == pytest.approx((600 + k_rec * du.PRIOR_HITS) / (1100 + du.PRIOR_HITS))
     idx = make(slots=8)
@@ -308,7 +312,7 @@ def test_the_index_own_hits_calibrate_the_mode_it_is_in():
     d = du.Duel()
     keys = [k(i) for i in range(10)]
     d.observe(keys, 100, 3)
-    assert d.real == [0.0, 0.0], "counted while free"
+    assert d.real == [0.0, 0.0, 0.0], "counted while free"
     d.free = False
     d.observe(keys, 100, 4)
     assert d.real[RECENCY] == pytest.approx(4.0, rel=0.01) and d.real[FREQUENCY] == 0.0
@@ -320,7 +324,7 @@ def test_the_index_own_hits_calibrate_the_mode_it_is_in():
     d.observe([k(0)], indexed, 0)  # sets s = 8
     assert d.s == 8
     keys = [k(i) for i in range(400)]
-    d.real = [0.0, 0.0]
+    d.real = [0.0, 0.0, 0.0]
     d.observe(keys, indexed, 150)
     want = sum(du.sampled(x, 8) for x in keys[:150])
     assert 0 < want < 150 and d.real[RECENCY] == pytest.approx(want, rel=0.01)
@@ -332,7 +336,7 @@ def test_the_index_reports_its_own_hits_to_the_duel():
     idx = make(slots=8)
     store(idx, 1, 2, 3)
     idx.policy.duel.free = False
-    idx.policy.duel.real = [0.0, 0.0]
+    idx.policy.duel.real = [0.0, 0.0, 0.0]
     read(idx, 1, 2, 3, 4, 5)  # 3 of 5 held
     assert idx.policy.duel.real[RECENCY] == pytest.approx(3.0, rel=0.01)
     idx.touch([pk(1, 2, 9)])  # 2 of 3 held
@@ -384,15 +388,15 @@ def test_the_mode_is_free_until_the_first_eviction():
     assert not idx.policy.duel.free
 
 
-@pytest.mark.parametrize("frequency", [False, True])
-def test_each_shadow_plays_its_mode_as_the_index_does(frequency: bool):
+@pytest.mark.parametrize("mode", [RECENCY, FREQUENCY, SECOND_CHANCE])
+def test_each_shadow_plays_its_mode_as_the_index_does(mode: int):
     """The duel is only as good as its shadows: a shadow of the index's size, fed every key, earns
-    what the index pinned in its mode earns (recency exactly; frequency within 15 %: its shadow
-    keeps its own counts, over a history of its own size), on a mix of hot single blocks, shared
-    chains and one-time scans."""
+    what the index pinned in its mode earns (recency exactly; second chance within 2 %; frequency
+    within 15 %: its shadow keeps its own counts, over a history of its own size), on a mix of hot
+    single blocks, shared chains and one-time scans."""
     rng = random.Random(3)
-    idx = make(slots=300, frequency=frequency)
-    shadow = du.Duel().shadows[int(frequency)]
+    idx = make(slots=300, mode=mode)
+    shadow = du.Duel().shadows[mode]
     shadow.capacity = 300
     fresh = 10**6
     got_index = got_shadow = 0
@@ -408,8 +412,12 @@ def test_each_shadow_plays_its_mode_as_the_index_does(frequency: bool):
             ids = tuple(range(fresh, fresh + 40))
         got_index += request(idx, *ids, check=False)
         got_shadow += shadow.access([k(i) for i in ids])
-    if not frequency:
+    if mode == RECENCY:
         assert got_shadow == got_index
+    elif mode == SECOND_CHANCE:
+        # The index adds a put's new blocks to its order at the commit, after the blocks its
+        # evictions passed over; the shadow interleaves the two.
+        assert abs(got_shadow - got_index) <= 0.02 * got_index, (got_shadow, got_index)
     else:
         assert abs(got_shadow - got_index) <= 0.15 * got_index, (got_shadow, got_index)
     idx.check_integrity()
@@ -484,7 +492,7 @@ def test_deferred_accounting_makes_every_decision_the_same(seed: int):
     later.check_integrity()
 
 
-@pytest.mark.parametrize("setup", ["lru", "recency", "frequency", "adaptive"])
+@pytest.mark.parametrize("setup", ["lru", "recency", "frequency", "second_chance", "adaptive"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_no_block_outlives_its_parent(setup: str, seed: int):
     """A chain's tail goes before its head in every mode, also under reads of a prefix only and
@@ -497,7 +505,7 @@ def test_no_block_outlives_its_parent(setup: str, seed: int):
     elif setup == "adaptive":
         idx = make(slots=40)
     else:
-        idx = make(slots=40, frequency=setup == "frequency")
+        idx = make(slots=40, mode=du.MODES.index(setup))
     parent: dict[int, int] = {}
     chains: list[list[int]] = []
     fresh = 1000
@@ -528,3 +536,99 @@ def test_no_block_outlives_its_parent(setup: str, seed: int):
         assert not orphans, f"step {step}: {orphans} stored without their parents"
     assert idx.counters["evictions"] > 30, "the test evicted too little to show anything"
     idx.check_integrity()
+
+
+def test_second_chance_mode_passes_over_blocks_read_again():
+    """In second-chance mode a block read again since it was stored gets one more pass when it
+    is the least recent: it loses the mark and goes to the most recent end; the least recent
+    unmarked block goes instead."""
+    idx = make(slots=3, mode=SECOND_CHANCE)
+    for i in range(3):
+        request(idx, i)
+    assert read(idx, 0) == 1  # 0 read again: marked (and the most recent)
+    request(idx, 1)  # 1 read again too: order 2, 0, 1
+    request(idx, 2)  # and 2: every block marked, order 0, 1, 2
+    request(idx, 10)  # all marked: each passed over in turn, then the least recent (0) goes
+    assert k(0) not in idx.entries and {k(1), k(2), k(10)} <= set(idx.entries)
+    assert read(idx, 2) == 1  # 2 marked again; 1 is unmarked now
+    request(idx, 11)  # 1 is the least recent and unmarked: it goes
+    assert k(1) not in idx.entries and {k(2), k(10), k(11)} <= set(idx.entries)
+    request(idx, 12)  # order 10, 2, 11: 10 unmarked goes, 2 keeps its mark
+    assert k(10) not in idx.entries
+    request(idx, 13)  # order 2 (marked), 11, 12: 2 passed over, 11 goes
+    assert k(11) not in idx.entries and k(2) in idx.entries
+    idx.check_integrity()
+    # In recency mode the same traffic keeps nothing read again beyond its turn.
+    lru = make(slots=3, frequency=False)
+    for i in range(3):
+        request(lru, i)
+    read(lru, 0)
+    request(lru, 1)
+    request(lru, 2)
+    request(lru, 10)
+    assert k(0) not in lru.entries
+
+
+def test_marks_of_an_earlier_spell_do_not_count():
+    """Marks are set only in second-chance mode, and a new spell of it starts with none: an
+    eviction never walks over marks left from before."""
+    idx = make(slots=3, mode=RECENCY)
+    for i in range(3):
+        request(idx, i)
+    for i in range(3):
+        read(idx, i)  # read again in recency mode: not marked
+    idx.policy.duel.mode = SECOND_CHANCE
+    request(idx, 10)
+    assert k(0) not in idx.entries, "a read in recency mode counted as a mark"
+    idx.entries[k(1)].again = idx.policy._spell  # order 1, 2, 10: the least recent marked
+    idx.policy._spell += 1  # a later spell
+    request(idx, 11)
+    assert k(1) not in idx.entries, "a mark of an earlier spell counted"
+
+
+def test_second_chance_demotes_blocks_not_read_again_first():
+    idx = make(slots=8, mode=SECOND_CHANCE)
+    request(idx, 0)
+    request(idx, 1)
+    request(idx, 2)
+    read(idx, 0)
+    reps = list(seg(idx).lru.values())  # least recent first: 1, 2, 0
+    read(idx, 1)  # marked, without moving it in this list
+    order = idx.policy.demotion_order(iter(reps), 2 * reps[0].size)
+    assert [r.entry.key for r in order] == [k(2), k(1)]  # unmarked first, then least recent
+
+
+def test_the_recency_family_member_switches_on_a_paired_difference():
+    """Second chance and plain recency see the same sampled requests and keep nearly the same
+    blocks: the duel picks between them on the noise of their paired difference (the decayed
+    sum of squared per-request differences), with no margin; the frequency duel is unchanged."""
+    d = du.Duel()
+    d.free = False
+    d.hits = [10_000.0, 0.0, 10_150.0]  # 1.5 % more: far under the margin the frequency duel needs
+    d.paired = 100.0**2  # noise 2 * 100: not past it
+    d.decide()
+    assert d.mode == RECENCY and d.variant == RECENCY and d.switches == 0
+    d.paired = 60.0**2  # noise 120 < 150: past it
+    d.decide()
+    assert d.mode == SECOND_CHANCE and d.variant == SECOND_CHANCE and d.switches == 1
+    d.hits = [10_100.0, 0.0, 10_000.0]  # recency 100 ahead, under the noise: stays
+    d.decide()
+    assert d.mode == SECOND_CHANCE
+    d.hits = [10_200.0, 0.0, 10_000.0]
+    d.decide()
+    assert d.mode == RECENCY and d.switches == 2
+    # Frequency mode against the member in use, with the margin; the member keeps being chosen
+    # meanwhile, and the index returns to the member chosen last.
+    d.hits = [10_000.0, 20_000.0, 10_200.0]
+    d.decide()
+    assert d.mode == FREQUENCY and d.variant == SECOND_CHANCE and d.switches == 3
+    d.hits = [10_000.0, 5_000.0, 10_200.0]
+    d.decide()
+    assert d.mode == SECOND_CHANCE and d.switches == 4
+    # The shadows feed the paired sum: a request where they differ adds its difference squared.
+    d = du.Duel()
+    d.observe([k(i) for i in range(5)], 100, 0)
+    assert d.paired == 0.0
+    d.shadows[RECENCY].d.clear()  # recency's shadow forgets; second chance's still holds them
+    d.observe([k(i) for i in range(5)], 100, 0)
+    assert d.paired == pytest.approx(25.0, rel=0.01)
