@@ -18,7 +18,6 @@ import math
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import islice
 
 SAMPLE = 64  # blocks a sampled eviction looks at (hyperbolic caching, Redis' LFU)
 AGE_FACTOR = 10  # counts halve every AGE_FACTOR x the cache size accesses (TinyLFU)
@@ -89,7 +88,9 @@ class ShadowLru:
 class ShadowSecondChance:
     """Tail-first block LRU whose blocks read again since they came in, or since their last
     second chance, get one more pass when they reach the end: the second-chance mode in
-    miniature."""
+    miniature. As in the index, a request's new blocks are not candidates while it stores them
+    (there they are being written) and join the order after the blocks passed over meanwhile
+    (there they join it at the commit)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -98,28 +99,37 @@ class ShadowSecondChance:
     def access(self, keys: Sequence[bytes]) -> int:
         d = self.d
         hits = leading(keys, d)
+        fresh: dict[bytes, None] = {}
         for k in reversed(keys):
             if k in d:
                 d[k] = True
                 d.move_to_end(k)
                 continue
             while len(d) >= self.capacity:
-                self._evict()
+                self._evict(fresh)
             d[k] = False
+            fresh[k] = None
+        for k in fresh:
+            if k in d:
+                d.move_to_end(k)
         return hits
 
-    def _evict(self) -> None:
+    def _evict(self, fresh: dict[bytes, None]) -> None:
         d = self.d
         passed = []
+        victim = None
         for v, again in d.items():
+            if v in fresh:
+                continue
             if not again:
+                victim = v
                 break
             passed.append(v)
-        if len(passed) == len(d):
-            passed = passed[1:]  # all read again: the least recent goes anyway
-            del d[next(iter(d))]
-        else:
-            del d[next(islice(iter(d), len(passed), None))]
+        if victim is None:  # all read again: the least recent goes anyway
+            victim = passed.pop(0) if passed else next(iter(d))
+        if victim in fresh:
+            del fresh[victim]
+        del d[victim]
         for v in passed:
             d[v] = False
             d.move_to_end(v)

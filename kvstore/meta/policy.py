@@ -223,6 +223,8 @@ class AdaptivePolicy(LruPolicy):
             self.epoch += 1
         was = self.duel.mode
         self.duel.observe(keys, len(self.entries), hits)
+        if was == SECOND_CHANCE and self.duel.mode != SECOND_CHANCE:
+            self._end_spell()
         if self.duel.mode == SECOND_CHANCE and was != SECOND_CHANCE:
             self._spell += 1  # a new spell: marks of an earlier one no longer count
 
@@ -272,12 +274,17 @@ class AdaptivePolicy(LruPolicy):
         goes (after the others are passed over).
 
         The walk has no bound, as CLOCK's hand has none: each block passed over spends a mark
-        that a read set, so the walks cost O(1) per block read, amortized; marks are set only in
-        this mode, and a new spell of it starts with none, so no walk crosses marks left from
-        before. Chain order holds: a read marks a block and its predecessors together and
-        touches the predecessors last, so a block reaches the end after its descendants, and a
-        descendant passed over earlier is either unmarked (found first) or was read again
-        (and so were its predecessors, after it)."""
+        that a read set, so the walks cost O(1) per block read, amortized, and one walk is at
+        most as long as the run of blocks read since they were last passed over at the least
+        recent end (every block of a segment, once, if all of it was read again between two
+        evictions: about half a second per million blocks); marks are set only in this mode, and
+        a new spell of it starts with none, so no walk crosses marks left from before. Chain
+        order holds: a read marks a block and its predecessors together and touches the
+        predecessors last, so a block reaches the end after its descendants, and a descendant
+        passed over earlier is either unmarked (found first) or was read again (and so were its
+        predecessors, after it). Predecessors left less recent than a descendant passed over are
+        still marked, which is what keeps them; as the spell ends, :meth:`_end_spell` puts them
+        after it."""
         passed: list[Replica] = []
         victim = None
         spell = self._spell
@@ -286,12 +293,31 @@ class AdaptivePolicy(LruPolicy):
                 victim = rep
                 break
             passed.append(rep)
+        first = 0
         if victim is None and passed:
-            victim = passed.pop(0)
-        for rep in passed:  # after the walk: the candidates iterate the segment's order
+            victim, first = passed[0], 1
+        for rep in passed[first:]:  # after the walk: the candidates iterate the segment's order
             rep.entry.again = 0
             rep.segment.lru.move_to_end(rep.entry.key)
         return victim
+
+    def _end_spell(self) -> None:
+        """Puts chain order back in the recency order as a spell of second-chance mode ends.
+
+        Within a spell, a block passed over goes to the most recent end without its
+        predecessors, which may so stay less recent than it: their marks (a read marks a block
+        and its predecessors together, and a predecessor's mark is spent only by its own pass,
+        which puts it after the block) keep them from going first. Outside the spell marks count
+        for nothing, so every block still marked goes to the most recent end now, in its order:
+        each is then more recent than any block it precedes in a chain. One walk of the orders
+        of the segments that hold a marked block, at most once per spell: spells end only when
+        the duel changes mode."""
+        spell = self._spell
+        segments = {rep.segment for e in self.entries.values() if e.again == spell for rep in e.replicas}
+        for seg in segments:
+            lru = seg.lru
+            for key in [k for k, rep in lru.items() if rep.entry.again == spell]:
+                lru.move_to_end(key)
 
     def admits(self, key: bytes, victim: Replica) -> bool:
         self.drain()

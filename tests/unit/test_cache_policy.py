@@ -415,8 +415,8 @@ def test_each_shadow_plays_its_mode_as_the_index_does(mode: int):
     if mode == RECENCY:
         assert got_shadow == got_index
     elif mode == SECOND_CHANCE:
-        # The index adds a put's new blocks to its order at the commit, after the blocks its
-        # evictions passed over; the shadow interleaves the two.
+        # The index reorders a request's hits as it leases and releases them, before the put;
+        # the shadow touches hits and new blocks in one tail-first pass.
         assert abs(got_shadow - got_index) <= 0.02 * got_index, (got_shadow, got_index)
     else:
         assert abs(got_shadow - got_index) <= 0.15 * got_index, (got_shadow, got_index)
@@ -492,7 +492,7 @@ def test_deferred_accounting_makes_every_decision_the_same(seed: int):
     later.check_integrity()
 
 
-@pytest.mark.parametrize("setup", ["lru", "recency", "frequency", "second_chance", "adaptive"])
+@pytest.mark.parametrize("setup", ["lru", "recency", "frequency", "second_chance", "switching", "adaptive"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_no_block_outlives_its_parent(setup: str, seed: int):
     """A chain's tail goes before its head in every mode, also under reads of a prefix only and
@@ -504,6 +504,15 @@ def test_no_block_outlives_its_parent(setup: str, seed: int):
         idx = make(slots=40, policy="lru")
     elif setup == "adaptive":
         idx = make(slots=40)
+    elif setup == "switching":  # the mode changes at random, as often as every request
+        idx = make(slots=40, mode=RECENCY)
+        duel, modes = idx.policy.duel, random.Random(seed + 7)
+
+        def decide() -> None:
+            if modes.random() < 0.2:
+                duel.mode = modes.choice((RECENCY, FREQUENCY, SECOND_CHANCE))
+
+        duel.decide = decide  # type: ignore[method-assign]
     else:
         idx = make(slots=40, mode=du.MODES.index(setup))
     parent: dict[int, int] = {}
@@ -632,3 +641,30 @@ def test_the_recency_family_member_switches_on_a_paired_difference():
     d.shadows[RECENCY].d.clear()  # recency's shadow forgets; second chance's still holds them
     d.observe([k(i) for i in range(5)], 100, 0)
     assert d.paired == pytest.approx(25.0, rel=0.01)
+
+
+@pytest.mark.parametrize("after", [RECENCY, FREQUENCY, SECOND_CHANCE])
+def test_leaving_second_chance_keeps_chain_order(after: int):
+    """Within a spell a block passed over goes to the most recent end without its predecessor,
+    which only its mark keeps; as the spell ends, still-marked blocks go to the most recent end,
+    so no mode that ignores the marks (nor a later spell) takes the predecessor first."""
+    idx = make(slots=4, mode=SECOND_CHANCE)
+    duel = idx.policy.duel
+    request(idx, 0, 1)  # chain 0 -> 1
+    read(idx, 0, 1)  # both marked, order 1, 0
+    request(idx, 10)
+    read(idx, 0)  # a prefix-only read: order 1, 10, 0
+    request(idx, 11)
+    request(idx, 12)  # 1 passed over (after 0 now, unmarked), 10 goes: order 0, 11, 1, 12
+    assert k(10) not in idx.entries and list(seg(idx).lru)[0] == k(0)
+    going = [RECENCY] + ([SECOND_CHANCE] if after == SECOND_CHANCE else [])
+    duel.decide = lambda: setattr(duel, "mode", going[0])  # type: ignore[method-assign]
+    read(idx, 99)  # the spell ends
+    if after == SECOND_CHANCE:
+        going.pop(0)
+        read(idx, 98)  # and a new one starts: the old marks count for nothing
+    duel.mode = after
+    assert list(seg(idx).lru)[-1] == k(0), "the marked predecessor did not go to the most recent end"
+    request(idx, 13)
+    assert k(1) not in idx.entries or k(0) in idx.entries, "1 stored without 0"
+    idx.check_integrity()
