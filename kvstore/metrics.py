@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 
+from kvstore.meta.duel import MODES
+
 if TYPE_CHECKING:
     from kvstore.daemon.server import CacheDaemon
     from kvstore.meta.index import Index
@@ -228,7 +230,7 @@ class MetaCollector:
             "predicts the index; the adaptive policy weighs each shadow by it)",
             labels=["mode"],
         )
-        for mode in ("recency", "frequency", "second_chance"):
+        for mode in MODES:
             cal.add_metric([mode], pol.get(f"policy_{mode}_calibration_permille", 1000) / 1000)
         yield cal
         yield GaugeMetricFamily(

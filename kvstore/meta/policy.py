@@ -329,7 +329,8 @@ class AdaptivePolicy(LruPolicy):
         self.drain()
         if not self.frequency_mode and not self.second_chance_mode:
             return super().demotion_order(candidates, want)
-        # Least counted first among the least recent (at least SAMPLE of them), ties oldest first.
+        # Among the least recent (at least SAMPLE of them): least counted first (frequency), or
+        # not read again first (second chance); ties oldest first.
         pool: list[Replica] = []
         acc = 0
         for rep in candidates:
