@@ -207,7 +207,7 @@ class MetaCollector:
         hits.add_metric(["ssd"], ssd)
         yield hits
         yield _counter("kvstore_meta_misses_total", "Keys asked by Acquire that were not hits", c.get("miss_keys", 0))
-        yield GaugeMetricFamily("kvstore_meta_keys", "Blocks in the index", value=len(idx.entries))
+        yield GaugeMetricFamily("kvstore_meta_keys", "Blocks in the index", value=len(idx))
         pol = idx.policy.stats()
         yield GaugeMetricFamily(
             "kvstore_meta_policy_frequency_mode",

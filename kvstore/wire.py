@@ -57,7 +57,7 @@ ROW_DTYPE = np.dtype(
 
 
 def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0, keys: bool = False) -> pb.Locations:  # noqa: ANN001
-    """Packs replicas (index.Replica) as location rows plus one SegmentRef per distinct segment,
+    """Packs replicas (index.Replica, or the compact index's Location) as location rows plus one SegmentRef per distinct segment,
     and with ``op`` (tickets.READ or WRITE) a capability ticket per row for ``ttl_s`` seconds,
     signed with each daemon's ticket key (none for daemons without one); with ``keys``, the keys the
     blocks are stored under."""
@@ -69,11 +69,11 @@ def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0, keys: b
         signed = tickets.issue_many(
             [r.segment.daemon.spec.ticket_key for r in replicas],
             op,
-            [(r.segment.spec.segment_id, r.offset, r.length, r.gen, r.entry.key) for r in replicas],
+            [(r.segment.spec.segment_id, r.offset, r.length, r.gen, r.key) for r in replicas],
             ttl_s,
         )
     return pb.Locations(
-        keys=b"".join([r.entry.key for r in replicas]) if keys else b"",
+        keys=b"".join([r.key for r in replicas]) if keys else b"",
         tickets=signed,
         rows=b"".join([r.row for r in replicas]),
         segments=[_segment_ref(s) for s in segs.values()],

@@ -69,15 +69,20 @@ class Proc:
 class Cluster:
     """Starts metadata services and daemons for one test and tears them all down."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, meta_sets: tuple[str, ...] | None = None) -> None:
         self.tmp = tmp
+        # Settings of every metadata service this cluster starts; by default those of
+        # KVSTORE_TEST_META_SETS (space-separated), to run a whole suite on other settings
+        # (e.g. "meta.index=compact meta.cache_policy=lru").
+        self.meta_sets = tuple(os.environ.get("KVSTORE_TEST_META_SETS", "").split()) if meta_sets is None else meta_sets
         self.procs: list[Proc] = []
         self.shm_paths: list[str] = []
         self.meta_addr = ""
 
     def start_meta(self, *sets: str, listen: str = "127.0.0.1:0") -> Proc:
         p = Proc(
-            ["meta", "--listen", listen, *[a for s in (*FAST, *sets) for a in ("--set", s)]], self.tmp / "meta.log"
+            ["meta", "--listen", listen, *[a for s in (*FAST, *self.meta_sets, *sets) for a in ("--set", s)]],
+            self.tmp / "meta.log",
         )
         self.procs.append(p)
         self.meta_addr = p.wait_ready()["meta"]

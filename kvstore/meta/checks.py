@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterable
+from typing import Any
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import KEY_BYTES, unpack_keys
 from kvstore.meta.records import GEN_LIMIT, DaemonSpec, InventoryItem, Tier
 
@@ -54,6 +56,19 @@ class Checks:
         if len(set(keys)) != len(keys):
             raise InvalidArgument("keys: a batch must not repeat a key")
         return self._timeout(timeout_s, self.limits.put_timeout_s, self.limits.max_put_timeout_s, "put timeout")
+
+    def _release_args(self, lease_id: int, corrupt: Iterable[int], run: str) -> tuple[Any, list[int]]:
+        """The lease a Release ends (NotFound if there is none) and its ``corrupt`` run indexes,
+        distinct and in order, each within the leased run (the lease's ``run`` attribute)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise NotFound(f"lease {lease_id} is unknown (already released or expired)")
+        n = len(getattr(lease, run))
+        bad = sorted(set(corrupt))
+        for i in bad:
+            if not 0 <= i < n:
+                raise InvalidArgument(f"corrupt index {i} is outside the leased run of {n}")
+        return lease, bad
 
     @staticmethod
     def _commit_args(put_id: int, n: int, checksums: list[int], written: list[bool] | None) -> None:

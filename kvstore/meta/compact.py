@@ -15,9 +15,15 @@ Where it differs, by design:
   not an entry, a replica, a location row and four container entries; batch operations
   (lookup, acquire, touch, commit) are vectorised over the batch.
 - A block has one replica. Moves between tiers (demotion, promotion) and the adaptive policy are
-  not part of it yet: a segment's least recently used block is its victim, on any tier.
+  not part of it yet: a block stays on the tier it was written to, and a segment's least
+  recently used block is its victim, on any tier.
 - Locations come back as rows of the table; :meth:`location_rows` packs them as the wire's
-  location rows in one call, :meth:`locations` spells them out.
+  location rows in one call, :meth:`locations` spells them out (as the service does for its
+  answers).
+
+The metadata service runs it with ``meta.index=compact`` (:mod:`kvstore.meta.service`): the
+service's calls are the object index's, down to two-phase commits with the daemons' answers,
+registration in steps, drain, per-tier lookups and the engines' device tier.
 
 As there, a registration naming a generation at or past ``GEN_LIMIT`` is refused whole, the
 generation counter never passes ``GEN_MAX`` (:mod:`kvstore.meta.records`), and the extents of a
@@ -26,37 +32,30 @@ put that ends uncommitted are held back until its write tickets lapse (:mod:`.qu
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import random
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.cluster.slots import arena
-from kvstore.errors import Internal, InvalidArgument, NotFound
-from kvstore.extent import extent_size
-from kvstore.keys import KEY_BYTES
-from kvstore.meta.allocator import Allocator
+from kvstore.errors import Internal, InvalidArgument
 from kvstore.meta.checks import Checks
+from kvstore.meta.compact_daemons import CompactMembership
+from kvstore.meta.compact_reads import CompactReads, Lease
 from kvstore.meta.compact_writes import CompactWrites, Put
-from kvstore.meta.membership import Tombstones
+from kvstore.meta.engines import DeviceTier, EngineTier
 from kvstore.meta.quarantine import Quarantine
 from kvstore.meta.records import (
     COUNTERS,
     GEN_MAX,
-    SEGMENT_ALIGN,
-    AcquireResult,
+    ROW,
     Clock,
     Daemon,
-    DaemonSpec,
     IndexLimits,
-    InventoryItem,
+    Move,
     Segment,
-    Tier,
     Tombstone,
     expired,
 )
@@ -67,7 +66,8 @@ _NONE = np.empty(0, dtype=np.int64)
 
 
 class Location(NamedTuple):
-    """A block's replica, spelled out."""
+    """A block's replica, spelled out: what the service's answers are made of, as the object
+    index's replicas are (:func:`kvstore.wire.locations_to_pb`, the daemons' commits)."""
 
     segment: Segment
     offset: int
@@ -77,15 +77,32 @@ class Location(NamedTuple):
     gen: int
     key: bytes
 
+    live = True  # a location is spelled out of a row the index holds at that moment
 
-@dataclass(slots=True)
-class _Lease:
-    lease_id: int
-    deadline: float
-    rows: np.ndarray
+    @property
+    def row(self) -> bytes:
+        """The wire's location row (:data:`kvstore.meta.records.ROW`)."""
+        return ROW.pack(self.segment.ref, 0, self.offset, self.length, self.checksum, self.gen)
 
 
-class CompactIndex(Checks, Tombstones, CompactWrites):
+class TablePolicy:
+    """The compact index's cache policy, as the service sees one (``policy``): the table's
+    least recently used block of a segment is its victim (:mod:`kvstore.meta.table`), and
+    recency is kept as the calls come, so there is no accounting to defer or drain."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self.defer = False
+
+    def drain(self) -> None:
+        """Nothing is deferred."""
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, DeviceTier):
     """The index's block state in columns. See the module docstring for what it covers."""
 
     def __init__(self, limits: IndexLimits | None = None, clock: Clock | None = None, rows: int = 1024) -> None:
@@ -96,10 +113,20 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
             )
         self.clock = clock or Clock()
         self.table = BlockTable(rows)
+        self.policy = TablePolicy()
+        self.engine_tier = EngineTier(
+            self.limits.max_engines,
+            self.limits.max_engine_blocks,
+            self.limits.max_engine_ttl_s,
+            self.limits.max_engines_per_tenant,
+        )
+        # Tier moves are not part of the compact index: a block stays on the tier it was written
+        # to (plan_moves plans none), so none is ever in flight.
+        self.moves: dict[int, Move] = {}
         self.daemons: dict[str, Daemon] = {}
         self.segments: dict[int, Segment] = {}  # by ref; a lost daemon's stay while leases hold rows there
         self.puts: dict[int, Put] = {}
-        self.leases: dict[int, _Lease] = {}
+        self.leases: dict[int, Lease] = {}
         base = random.getrandbits(62)
         self._put_ids = itertools.count(base)
         self._lease_ids = itertools.count(base)
@@ -194,105 +221,6 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
                 self._quarantine.hold(seg, int(t.off[row]), int(t.size[row]), hold_until)
             t.free(row)
 
-    # ---- reads ------------------------------------------------------------------------------
-
-    def lookup(
-        self, packed_keys: bytes, per_key: bool = False, with_locations: bool = False
-    ) -> tuple[int, list[bool], np.ndarray]:
-        """Leading hit count (and per-key existence, and the run's rows). No side effects
-        (counters aside)."""
-        _, rows, ready = self._find(packed_keys)
-        n = self._run(ready)
-        self.counters["lookups"] += 1
-        self.counters["lookup_keys"] += len(rows)
-        self.counters["lookup_hit_keys"] += n
-        exists: list[bool] = ready.tolist() if per_key else []
-        return n, exists, rows[:n] if with_locations else _NONE
-
-    def acquire(self, packed_keys: bytes, ttl_s: float = 0.0) -> AcquireResult:
-        """Leases the leading run of committed keys (see ``Index.acquire``); locations are rows."""
-        _, rows, ready = self._find(packed_keys)
-        ttl = self._timeout(ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s, "lease ttl")
-        n = self._run(ready)
-        self.counters["acquires"] += 1
-        self.counters["hit_keys"] += n
-        self.counters["miss_keys"] += len(rows) - n
-        if not n:
-            return AcquireResult(0, 0, _NONE, ttl)
-        t = self.table
-        run = rows[:n]
-        uniq, times = np.unique(run, return_counts=True)
-        first = uniq[t.leases[uniq] == 0]
-        for ref, c in zip(*np.unique(t.seg[first], return_counts=True)):
-            self.segments[int(ref)].leased += int(c)
-        t.leases[uniq] += times.astype(np.uint32)
-        self.counters["hit_bytes"] += int(t.length[run].sum(dtype=np.uint64))
-        for ref in np.unique(t.seg[run]).tolist():
-            if self.segments[ref].spec.tier != Tier.DRAM:
-                self.counters["ssd_hit_keys"] += int((t.seg[run] == ref).sum())
-        lease_id = next(self._lease_ids)
-        deadline = self.clock.now() + ttl
-        self.leases[lease_id] = _Lease(lease_id, deadline, run)
-        heapq.heappush(self._lease_deadlines, (deadline, lease_id))
-        return AcquireResult(n, lease_id, run.copy(), ttl)
-
-    def _unlease(self, row: int) -> None:
-        t = self.table
-        t.leases[row] -= 1
-        if t.leases[row]:
-            return
-        seg = self.segments[int(t.seg[row])]
-        seg.leased -= 1
-        if not t.flags[row] & LIVE:
-            seg.alloc.release(int(t.off[row]), int(t.size[row]))
-            t.free(row)
-            if not seg.leased and self.daemons.get(seg.daemon.spec.daemon_id) is not seg.daemon:
-                del self.segments[seg.ref]  # its daemon was lost; this was the last block held there
-        elif t.is_evictable(row):
-            t.stamp_one(row)
-
-    def release(self, lease_id: int, corrupt: Iterable[int] = ()) -> None:
-        """Ends a lease; blocks at the ``corrupt`` run indexes failed their checksum and are dropped."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            raise NotFound(f"lease {lease_id} is unknown (already released or expired)")
-        bad = sorted(set(corrupt))
-        for i in bad:
-            if not 0 <= i < len(lease.rows):
-                raise InvalidArgument(f"corrupt index {i} is outside the leased run of {len(lease.rows)}")
-        del self.leases[lease_id]
-        rows = lease.rows.tolist()
-        for i in bad:
-            if self.table.flags[rows[i]] & LIVE:
-                self.counters["corrupt_reported"] += 1
-                self._drop(rows[i])
-        for row in reversed(rows):  # tail first: the chain's head ends up most recent
-            self._unlease(row)
-
-    def _touch_rows(self, rows: np.ndarray) -> None:
-        """Makes a chain's stored, evictable blocks most recent, tail first."""
-        rows = rows[::-1]
-        rows = rows[rows >= 0]
-        self.table.stamp(rows[self.table.evictable(rows)])
-
-    def touch(self, chains: list[bytes]) -> int:
-        """Reads a client served itself (see ``Index.touch``). Returns how many keys are stored."""
-        total, found = 0, []
-        for i, packed in enumerate(chains):
-            _, rows, ready = self._find(packed, f"chains[{i}]")
-            total += len(rows)
-            if total > self.limits.max_batch_keys:
-                raise InvalidArgument(f"chains: over the limit of {self.limits.max_batch_keys} keys in one call")
-            found.append((rows, ready))
-        stored = 0
-        for rows, ready in found:
-            n = self._run(ready)
-            self._touch_rows(rows)
-            stored += n
-            self.counters["touches"] += 1
-            self.counters["touched_keys"] += n
-        return stored
-
     # ---- management -------------------------------------------------------------------------
 
     def remove(self, packed_keys: bytes) -> int:
@@ -323,73 +251,30 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
             n += 1
         return n
 
-    # ---- daemons ----------------------------------------------------------------------------
-
-    def register_daemon(self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> int:
-        """(Re)registers a daemon and adopts its inventory as committed blocks, oldest first;
-        returns how many items were refused (see ``Index.register_daemon``; a key stored
-        anywhere already is refused, as a block has one replica here)."""
-        self._daemon_args(spec, inventory)
-        if spec.daemon_id in self.daemons:
-            self._drop_daemon(spec.daemon_id)
-        now = self.clock.now()
-        daemon = Daemon(spec, now + self.limits.daemon_ttl_s, now)
-        self.daemons[spec.daemon_id] = daemon
-        dead = {(x.segment_id, x.key, x.offset, x.gen) for x in self.tombstones.get(spec.daemon_id, ())}
+    def pin_candidates(self, packed_keys: bytes) -> dict[bytes, int]:
+        """The committed, unpinned blocks among ``packed_keys`` and their payload bytes: what
+        pinning them would add (tenant quotas)."""
         t = self.table
-        rejected = 0
-        for sspec in sorted(spec.segments, key=lambda s: int(s.tier)):
-            align = SEGMENT_ALIGN[sspec.tier]
-            items = inventory.get(sspec.segment_id, [])
-            sizes = [it.size or extent_size(it.length, align) for it in items]
-            base, span = arena(sspec.capacity, align, self.limits.shard, self.limits.shards)
-            alloc, accepted = Allocator.with_used(span, [(it.offset, sz) for it, sz in zip(items, sizes)], align, base)
-            seg = Segment(daemon, sspec, next(self._segment_refs), alloc)
-            daemon.segments[sspec.segment_id] = seg
-            self.segments[seg.ref] = seg
-            for it, size, ok in zip(items, sizes, accepted):
-                self._last_gen = max(self._last_gen, it.gen)
-                # A 16-byte key and values that fit their 64-bit columns (the wire's widths).
-                good = len(it.key) == KEY_BYTES and all(0 <= v < 1 << 64 for v in (it.length, it.checksum, it.gen))
-                clash = good and t.find(words(it.key))[0] >= 0
-                tomb = (sspec.segment_id, it.key, it.offset, it.gen) in dead
-                if not ok or not good or clash or tomb or not it.gen:
-                    if ok:
-                        alloc.release(it.offset, size)
-                    rejected += 1
-                    if ok and good and it.gen and not tomb:
-                        self._tombstone_item(spec.daemon_id, Tombstone(sspec.segment_id, it.key, it.offset, it.gen))
-                    continue
-                row = t.add(words(it.key))
-                t.seg[row], t.off[row], t.size[row], t.length[row] = seg.ref, it.offset, size, it.length
-                t.csum[row], t.gen[row] = it.checksum, it.gen
-                t.flags[row] |= WRITTEN
-                t.set_ready(row)
-                t.stamp(row)
-                seg.blocks += 1
-        return rejected
+        rows = self._find(packed_keys)[1]
+        out: dict[bytes, int] = {}
+        for row in rows[rows >= 0].tolist():
+            if t.flags[row] & READY and not t.flags[row] & PINNED:
+                out[t.key(row)] = int(t.length[row])
+        return out
 
-    def heartbeat(self, daemon_id: str) -> bool:
-        d = self.daemons.get(daemon_id)
-        if d is None:
-            return False
-        now = self.clock.now()
-        d.last_heartbeat = now
-        d.deadline = now + self.limits.daemon_ttl_s
-        return True
+    def is_pinned(self, key: bytes) -> bool:
+        row = int(self.table.find(words(key))[0])
+        return row >= 0 and bool(self.table.flags[row] & PINNED)
 
-    def _drop_daemon(self, daemon_id: str) -> None:
-        d = self.daemons.pop(daemon_id)
-        t = self.table
-        for seg in d.segments.values():
-            n = t.n_rows
-            mine = np.flatnonzero(((t.flags[:n] & LIVE) != 0) & (t.seg[:n] == seg.ref))
-            for row in mine.tolist():
-                self._drop(row, free=False)
-            seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
-            t.forget_segment(seg.ref)
-            if not seg.leased:
-                del self.segments[seg.ref]
+    # ---- tiers ------------------------------------------------------------------------------
+
+    def plan_moves(self, max_bytes: int = 64 << 20, skip: Iterable[str] = ()) -> dict[str, list[Move]]:
+        """None: a block stays on the tier it was written to (puts fill DRAM first, then SSD;
+        each segment evicts its own least recently used blocks)."""
+        return {}
+
+    def finish_move(self, move_id: int, ok: bool, stored_size: int = 0) -> None:
+        """No move is ever planned, so there is none to finish."""
 
     # ---- time -------------------------------------------------------------------------------
 
@@ -401,6 +286,7 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         for did in [d for d, st in self.daemons.items() if st.deadline < now]:
             self._drop_daemon(did)
             out["daemons"] += 1
+        out["engines"] = self.engine_tier.expire(now)
         for pid in expired(self._put_deadlines, self.puts, now):
             self.put_abort(pid)
             out["puts"] += 1
@@ -414,6 +300,10 @@ class CompactIndex(Checks, Tombstones, CompactWrites):
         return out
 
     # ---- introspection ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Blocks in the index (committed or being written)."""
+        return self.table.live
 
     def check_integrity(self) -> None:
         """Asserts the accounting, as ``Index.check_integrity`` does for the object index."""

@@ -8,7 +8,7 @@ visible. A mixin over the compact index's state (``table``, ``segments``, ``daem
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +16,7 @@ import numpy as np
 from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvstore.extent import extent_size
 from kvstore.keys import KEY_BYTES
-from kvstore.meta.records import PutStartResult, PutStatus, Segment, Tier
+from kvstore.meta.records import CommitStatus, PendingCommit, PutStartResult, PutStatus, Segment, Tier
 from kvstore.meta.table import HELD, LIVE, READY, WRITTEN, words
 from kvstore.meta.writes import placement_order
 
@@ -30,6 +30,23 @@ class Put:
     keys: bytes  # the whole request, packed, for touching the chain on commit
     rows: np.ndarray  # the allocated blocks, in placement order
     gens: np.ndarray  # their generations: a row reused since (its daemon was lost) is not theirs
+
+
+class _Placed(Sequence):
+    """A pending commit's blocks as the daemons' commits read them: per placement index, the
+    block's :class:`~kvstore.meta.compact.Location` (spelled out when asked for) or None (not
+    to be committed). ``mask`` says which are there."""
+
+    def __init__(self, index, rows: np.ndarray, mask: np.ndarray) -> None:  # noqa: ANN001 - CompactIndex
+        self.index, self.rows, self.mask = index, rows, mask
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.index.locations([int(self.rows[i])])[0] if self.mask[i] else None
 
 
 class CompactWrites:
@@ -147,8 +164,11 @@ class CompactWrites:
         # daemon may hold another block since, even this block as that daemon reported it back.
         return ((t.flags[put.rows] & (LIVE | READY)) == LIVE) & (t.gen[put.rows] == put.gens)
 
-    def put_commit(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> int:
-        """Makes a put's written blocks visible; returns how many (see ``Index.put_commit``)."""
+    def put_commit_begin(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> PendingCommit:
+        """First half of a commit (see ``Index.put_commit_begin``): validates, takes the put out
+        of the reservation table and releases the blocks the writer did not write (their
+        extents held back until the put's write tickets lapse). The pending commit's
+        ``replicas`` spell out, as they are asked for, the blocks the daemons are to commit."""
         put = self.puts.get(put_id)
         if put is not None and put.deadline < self.clock.now():
             self.put_abort(put_id)
@@ -160,13 +180,45 @@ class CompactWrites:
         del self.puts[put_id]
         t = self.table
         mine = self._put_rows(put)
-        if written is not None:  # the unwritten: held back until the put's write tickets lapse
-            for row in put.rows[mine & ~np.array(written, dtype=bool)].tolist():
-                self._drop(row, hold_until=put.deadline + self.limits.write_ticket_grace_s)
-            mine &= np.array(written, dtype=bool)
-        rows = put.rows[mine]
-        t.csum[rows] = np.array(checksums, dtype=np.uint64)[mine]
-        t.flags[rows] |= WRITTEN
+        wrote = np.ones(len(put.rows), dtype=bool) if written is None else np.array(written, dtype=bool)
+        for row in put.rows[mine & ~wrote].tolist():
+            self._drop(row, hold_until=put.deadline + self.limits.write_ticket_grace_s)
+        ok = mine & wrote
+        t.flags[put.rows[ok]] |= WRITTEN  # from here on the daemon may hold it committed
+        status = np.where(ok, CommitStatus.OK, np.where(mine, CommitStatus.NOT_WRITTEN, CommitStatus.UNAVAILABLE))
+        return PendingCommit(put, _Placed(self, put.rows, ok), status.tolist(), list(checksums))
+
+    def put_commit_end(
+        self, pc: PendingCommit, outcome: dict[int, tuple[int, int]] | None = None
+    ) -> tuple[int, list[int]]:
+        """Second half (see ``Index.put_commit_end``): ``outcome`` maps a block's placement
+        index to (CommitStatus, stored extent bytes or 0) as its daemon answered; a block
+        without one counts as committed. Returns (committed count, status per allocated block)."""
+        put: Put = pc.put
+        t = self.table
+        status = np.array(pc.status, dtype=np.int64)
+        asked = pc.replicas.mask
+        # Still the put's: a block of a daemon lost meanwhile was dropped (its row maybe reused).
+        good = asked & self._put_rows(put)
+        status[asked & ~good] = CommitStatus.UNAVAILABLE
+        until = put.deadline + self.limits.write_ticket_grace_s
+        for i, (st, stored) in (outcome or {}).items():
+            if not good[i]:
+                continue
+            row = int(put.rows[i])
+            if st != CommitStatus.OK:
+                status[i] = st
+                good[i] = False
+                self.counters["commit_failed_keys"] += 1
+                self._drop(row, hold_until=until)
+                continue
+            seg = self.segments[int(t.seg[row])]
+            size = int(t.size[row])
+            if 0 < stored < size and stored % seg.align == 0:  # stored compressed: the rest goes back
+                seg.alloc.release(int(t.off[row]) + stored, size - stored)
+                t.size[row] = stored
+        rows = put.rows[good]
+        t.csum[rows] = np.array(pc.checksums, dtype=np.uint64)[good]
         t.set_ready(rows)
         t.stamp(rows[t.evictable(rows)])
         self.counters["put_keys"] += len(rows)
@@ -175,7 +227,12 @@ class CompactWrites:
             if self.segments[ref].spec.tier == Tier.SSD:
                 self.counters["put_ssd_keys"] += int((t.seg[rows] == ref).sum())
         self._touch_rows(t.find(words(put.keys)))
-        return len(rows)
+        return len(rows), status.tolist()
+
+    def put_commit(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> int:
+        """Both halves at once, for callers whose daemons commit on their own (unit tests,
+        benchmarks). Returns how many blocks became visible."""
+        return self.put_commit_end(self.put_commit_begin(put_id, checksums, written))[0]
 
     def put_abort(self, put_id: int) -> int:
         """Ends a put uncommitted (see ``Index.put_abort``): its extents are held back until its

@@ -173,7 +173,7 @@ class DaemonLink:
         req = daemon_pb2.CommitRequest(
             shard=self.shard,
             epoch=self.epoch,
-            keys=b"".join(r.entry.key for r in reps),
+            keys=b"".join(r.key for r in reps),
             segment=pack([r.segment.spec.segment_id for r in reps], U32),
             offset=pack([r.offset for r in reps], U64),
             length=pack([r.length for r in reps], U64),

@@ -53,7 +53,7 @@ import random
 import time
 from collections.abc import Iterable
 
-from kvstore.errors import Internal, InvalidArgument, NotFound
+from kvstore.errors import Internal, InvalidArgument
 from kvstore.meta.checks import Checks
 from kvstore.meta.engines import DeviceTier, EngineTier
 from kvstore.meta.membership import MAX_TOMBSTONES, Membership  # noqa: F401 - re-exported
@@ -309,13 +309,7 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
 
     def release(self, lease_id: int, corrupt: Iterable[int] = ()) -> None:
         """Ends a lease; replicas at the ``corrupt`` run indexes failed their checksum and are dropped."""
-        lease = self.leases.get(lease_id)
-        if lease is None:
-            raise NotFound(f"lease {lease_id} is unknown (already released or expired)")
-        bad = sorted(set(corrupt))
-        for i in bad:
-            if not 0 <= i < len(lease.replicas):
-                raise InvalidArgument(f"corrupt index {i} is outside the leased run of {len(lease.replicas)}")
+        lease, bad = self._release_args(lease_id, corrupt, "replicas")
         del self.leases[lease_id]
         for i in bad:
             rep = lease.replicas[i]
@@ -358,6 +352,29 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
                         rep.segment.lru[k] = rep
             n += 1
         return n
+
+    def pin_candidates(self, packed_keys: bytes) -> dict[bytes, int]:
+        """The committed, unpinned blocks among ``packed_keys`` and their payload bytes: what
+        pinning them would add (tenant quotas)."""
+        out: dict[bytes, int] = {}
+        for k in self._keys(packed_keys):
+            e = self.entries.get(k)
+            if e is not None and e.complete and not e.pinned and e.replica is not None:
+                out[k] = e.replica.length
+        return out
+
+    def is_pinned(self, key: bytes) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e.pinned
+
+    def locations(self, replicas: list[Replica]) -> list[Replica]:
+        """The locations an answer names, spelled out: the object index's are its replicas
+        (the compact index answers with rows of its table and spells them out here)."""
+        return replicas
+
+    def __len__(self) -> int:
+        """Blocks in the index (committed or being written)."""
+        return len(self.entries)
 
     def _touch_chain(self, keys: list[bytes]) -> None:
         for k in reversed(keys):

@@ -17,8 +17,10 @@ from kvstore.meta.records import (
     DaemonSpec,
     Entry,
     InventoryItem,
+    Lease,
     Replica,
     Segment,
+    SegmentSpec,
     Tombstone,
 )
 
@@ -58,16 +60,11 @@ class Tombstones:
             self._n_tombstones += len(items)
 
 
-class Membership(Tombstones):
-    """Daemons joining, living, leaving; what they must forget."""
-
-    def _tombstone(self, rep: Replica) -> None:
-        seg = rep.segment
-        self._tombstone_item(
-            seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, rep.entry.key, rep.offset, rep.gen)
-        )
-
-    # ---- daemons ----------------------------------------------------------------------------
+class DaemonLife(Tombstones):
+    """A daemon's life in an index, as both indexes keep it: registration driven in one go,
+    heartbeats, drain, stalls of the service itself (a mixin over ``daemons``, ``leases``,
+    ``engine_tier``, ``clock``, ``limits`` and ``counters``, and each index's ``_adopt``,
+    ``_drop_daemon`` and ``_leased_on``)."""
 
     def register_daemon(self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> int:
         """(Re)registers a daemon and adopts its inventory as ready replicas, in one go.
@@ -93,7 +90,8 @@ class Membership(Tombstones):
         daemon is known from the first step, with every extent of its inventory reserved, but
         takes no puts or moves until the last; its lease is renewed at every step. A second
         registration of the same daemon meanwhile supersedes this one (which then stops).
-        Bad input raises at the first step, having changed nothing."""
+        Bad input raises at the first step, having changed nothing. Each index adopts an item
+        its own way (``_adopt``), oldest first: recency order."""
         self._daemon_args(spec, inventory)
         if spec.daemon_id in self.daemons:
             self._drop_daemon(spec.daemon_id)
@@ -113,12 +111,12 @@ class Membership(Tombstones):
             sizes = [it.size or extent_size(it.length, align) for it in items]
             base, span = arena(sspec.capacity, align, self.limits.shard, self.limits.shards)
             alloc, accepted = Allocator.with_used(span, [(it.offset, sz) for it, sz in zip(items, sizes)], align, base)
-            seg = Segment(daemon, sspec, next(self._segment_refs), alloc)
+            seg = self._new_segment(daemon, sspec, alloc)
             daemon.segments[sspec.segment_id] = seg
             plan.append((sspec, seg, alloc, items, sizes, accepted))
         done = 0
         for sspec, seg, alloc, items, sizes, accepted in plan:
-            for it, size, ok in zip(items, sizes, accepted):  # oldest first: LRU order
+            for it, size, ok in zip(items, sizes, accepted):
                 done += 1
                 if chunk and done % chunk == 0:
                     yield
@@ -126,17 +124,10 @@ class Membership(Tombstones):
                         return rejected  # superseded, or dropped meanwhile
                     daemon.deadline = self.clock.now() + self.limits.daemon_ttl_s
                 self._last_gen = max(self._last_gen, it.gen)
-                e = self.entries.get(it.key)
-                clash = e is not None and (
-                    not e.complete
-                    or e.on(sspec.tier) is not None
-                    or any(r.segment.daemon is not daemon for r in e.replicas)
-                    or e.replica.length != it.length  # type: ignore[union-attr]
-                )
-                tomb = (sspec.segment_id, it.key, it.offset, it.gen) in dead
                 # A 16-byte key and values that fit the location row's 64-bit fields.
-                good = len(it.key) == KEY_BYTES and 0 <= it.length < 1 << 64 and 0 <= it.checksum < 1 << 64
-                if not ok or not good or clash or tomb or not it.gen:
+                good = len(it.key) == KEY_BYTES and all(0 <= v < 1 << 64 for v in (it.length, it.checksum, it.gen))
+                tomb = (sspec.segment_id, it.key, it.offset, it.gen) in dead
+                if not ok or not good or tomb or not it.gen or not self._adopt(daemon, seg, it, size):
                     if ok:
                         alloc.release(it.offset, size)
                     rejected += 1
@@ -145,16 +136,11 @@ class Membership(Tombstones):
                         # holds): the daemon must drop it too, or a reader that remembers its
                         # location would still find it there (kvstore.client.locations).
                         self._tombstone_item(spec.daemon_id, Tombstone(sspec.segment_id, it.key, it.offset, it.gen))
-                    continue
-                if e is None:
-                    e = Entry(it.key, 0)
-                    self.policy.created(e)  # before the entries change (policy: defer)
-                    self.entries[it.key] = e
-                rep = self._add_replica(e, seg, it.offset, size, it.length, it.gen)
-                e.complete = True
-                self._make_ready(rep, it.checksum)
         daemon.adopting = False
         return rejected
+
+    def _new_segment(self, daemon: Daemon, sspec: SegmentSpec, alloc: Allocator) -> Segment:
+        return Segment(daemon, sspec, next(self._segment_refs), alloc)
 
     def heartbeat(self, daemon_id: str) -> bool:
         """Extends a daemon's liveness. False if the daemon is unknown (it must register)."""
@@ -165,18 +151,6 @@ class Membership(Tombstones):
         d.last_heartbeat = now
         d.deadline = now + self.limits.daemon_ttl_s
         return True
-
-    def _drop_daemon(self, daemon_id: str) -> None:
-        """Forgets a daemon and its replicas (ready and reserved: puts in flight on it commit
-        nothing there; entries keep their position in put.entries) and the extents held back
-        there (:mod:`kvstore.meta.quarantine`). Costs the daemon's own blocks, not the index's."""
-        d = self.daemons.pop(daemon_id)
-        for mid in [m for m, mv in self.moves.items() if mv.src.segment.daemon is d]:
-            self.finish_move(mid, False)
-        for seg in d.segments.values():
-            for r in list(seg.replicas):
-                self._drop_replica(r, free=False)
-            seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
 
     def drain_daemon(self, daemon_id: str) -> tuple[int, int, float]:
         """A daemon leaving on purpose: it takes no more puts and its blocks leave the index
@@ -192,7 +166,7 @@ class Membership(Tombstones):
         now = self.clock.now()
         held, wait = 0, 0.0
         for lease in self.leases.values():
-            if any(r.segment.daemon.spec.daemon_id == daemon_id for r in lease.replicas):
+            if self._leased_on(lease, daemon_id):
                 held += 1
                 wait = max(wait, lease.deadline - now)
         return blocks, held, wait
@@ -206,3 +180,51 @@ class Membership(Tombstones):
         for e in self.engine_tier.engines.values():
             e.deadline += seconds
         self.counters["stall_grace"] += 1
+
+
+class Membership(DaemonLife):
+    """Daemons joining, living, leaving; what they must forget."""
+
+    def _tombstone(self, rep: Replica) -> None:
+        seg = rep.segment
+        self._tombstone_item(
+            seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, rep.entry.key, rep.offset, rep.gen)
+        )
+
+    # ---- daemons ----------------------------------------------------------------------------
+
+    def _adopt(self, daemon: Daemon, seg: Segment, it: InventoryItem, size: int) -> bool:
+        """Adopts one inventory item as a ready replica; False (nothing changed) if it clashes
+        with what the index holds: a block being written, one on this tier already, on another
+        daemon, or of another length."""
+        e = self.entries.get(it.key)
+        if e is not None and (
+            not e.complete
+            or e.on(seg.spec.tier) is not None
+            or any(r.segment.daemon is not daemon for r in e.replicas)
+            or e.replica.length != it.length  # type: ignore[union-attr]
+        ):
+            return False
+        if e is None:
+            e = Entry(it.key, 0)
+            self.policy.created(e)  # before the entries change (policy: defer)
+            self.entries[it.key] = e
+        rep = self._add_replica(e, seg, it.offset, size, it.length, it.gen)
+        e.complete = True
+        self._make_ready(rep, it.checksum)
+        return True
+
+    def _drop_daemon(self, daemon_id: str) -> None:
+        """Forgets a daemon and its replicas (ready and reserved: puts in flight on it commit
+        nothing there; entries keep their position in put.entries) and the extents held back
+        there (:mod:`kvstore.meta.quarantine`). Costs the daemon's own blocks, not the index's."""
+        d = self.daemons.pop(daemon_id)
+        for mid in [m for m, mv in self.moves.items() if mv.src.segment.daemon is d]:
+            self.finish_move(mid, False)
+        for seg in d.segments.values():
+            for r in list(seg.replicas):
+                self._drop_replica(r, free=False)
+            seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
+
+    def _leased_on(self, lease: Lease, daemon_id: str) -> bool:
+        return any(r.segment.daemon.spec.daemon_id == daemon_id for r in lease.replicas)

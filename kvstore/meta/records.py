@@ -132,6 +132,10 @@ class Replica:
     def tier(self) -> Tier:
         return self.segment.spec.tier
 
+    @property
+    def key(self) -> bytes:
+        return self.entry.key
+
     def set_checksum(self, csum: int) -> None:
         self.checksum = csum
         self.row = ROW.pack(self.segment.ref, 0, self.offset, self.length, csum, self.gen)
@@ -276,6 +280,9 @@ class AcquireResult(NamedTuple):
     lease_id: int
     locations: list[Replica]
     ttl: float
+
+
+INDEXES = ("object", "compact")  # meta.index: kvstore.meta.index.Index, kvstore.meta.compact.CompactIndex
 
 
 @dataclass(frozen=True, slots=True)

@@ -240,7 +240,7 @@ class MetaServicer:
         # Space freed by eviction is handed out only once its old blocks are gone on their
         # daemons: a restarted service must not find an evicted block again.
         await self.link.flush(mark)
-        if res.placements and self.authority is not None:
+        if len(res.placements) and self.authority is not None:
             self._put_owner[res.put_id] = ident.name
         # The write tickets end with the reservation, counted from when it was made (not from
         # now, after the flush): the index holds an ended put's extents back for as long as
@@ -249,7 +249,9 @@ class MetaServicer:
         return meta_pb2.PutStartResponse(
             put_id=res.put_id,
             status=pack(res.status, U8),
-            placements=locations_to_pb(res.placements, tickets.WRITE, left, keys=self.authority is not None),
+            placements=locations_to_pb(
+                self.index.locations(res.placements), tickets.WRITE, left, keys=self.authority is not None
+            ),
             deadline_unix_ms=int((time.time() + left) * 1000),
         )
 
@@ -280,7 +282,11 @@ class MetaServicer:
             lookup_port=self.lookup_port,
             lookup_port_id=self.lookup_port_id,
             exists=pack(exists, U8) if request.per_key else b"",
-            locations=locations_to_pb(locs, keys=self.authority is not None) if request.with_locations else None,
+            locations=(
+                locations_to_pb(self.index.locations(locs), keys=self.authority is not None)
+                if request.with_locations
+                else None
+            ),
         )
         if request.per_tier:
             tiers, engines = self.index.tiers(keys)
@@ -318,8 +324,9 @@ class MetaServicer:
     def Acquire(self, request, context):
         ident = self._who(context, "tenant", "admin")
         res = self.index.acquire(self._keys(request.keys, ident), ttl_s=request.ttl_ms / 1000.0)
+        locs = self.index.locations(res.locations)
         if res.lease_id and self.quotas.max_leased:
-            nbytes = sum(r.length for r in res.locations)
+            nbytes = sum(r.length for r in locs)
             fits, held = self.quotas.leases.fits(ident.name, nbytes, self.index.leases.__contains__)
             if not fits:
                 self.index.release(res.lease_id)
@@ -335,7 +342,7 @@ class MetaServicer:
             hit_count=res.hit_count,
             lease_id=res.lease_id,
             locations=locations_to_pb(
-                res.locations, tickets.READ, max(res.ttl, self.read_ticket_ttl_s), keys=self.authority is not None
+                locs, tickets.READ, max(res.ttl, self.read_ticket_ttl_s), keys=self.authority is not None
             ),
             ttl_ms=int(res.ttl * 1000),
         )
@@ -378,11 +385,7 @@ class MetaServicer:
         if not self.quotas.max_pinned:
             return meta_pb2.CountResponse(count=self.index.pin(keys, True))
         tenant = request.tenant or ident.name
-        new = {}
-        for k in unpack_keys(keys) if len(keys) % KEY_BYTES == 0 else []:
-            e = self.index.entries.get(k)
-            if e is not None and e.complete and not e.pinned and e.replica is not None:
-                new[k] = e.replica.length
+        new = self.index.pin_candidates(keys)
         fits, held = self.quotas.pins.fits(tenant, sum(new.values()), self._pinned)
         if not fits:
             raise ResourceExhausted(
@@ -395,8 +398,7 @@ class MetaServicer:
         return meta_pb2.CountResponse(count=n)
 
     def _pinned(self, key: bytes) -> bool:
-        e = self.index.entries.get(key)
-        return e is not None and e.pinned
+        return self.index.is_pinned(key)
 
     def Unpin(self, request, context):
         keys = self._keys(request.keys, self._who(context, "tenant", "admin"), request.tenant)
@@ -411,7 +413,7 @@ class MetaServicer:
         idx = self.index
         now = idx.clock.now()
         resp = meta_pb2.StatsResponse(
-            keys=len(idx.entries),
+            keys=len(idx),
             pending_puts=len(idx.puts),
             active_leases=len(idx.leases),
         )

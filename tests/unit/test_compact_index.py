@@ -80,6 +80,36 @@ class Pair:
         c = self.rnd.choice(self.chains)
         return c[: self.rnd.randint(1, len(c))]
 
+    def commit_in_two(self, pa: int, pb: int, n: int, sums: list[int]) -> None:
+        """A commit as the service makes one: the first half, the daemons' answers (some
+        refused, some stored in fewer bytes), maybe the loss of a daemon meanwhile, the second."""
+        rnd, obj, cmp = self.rnd, self.obj, self.cmp
+        written = [rnd.random() < 0.9 for _ in range(n)] if rnd.random() < 0.3 else None
+        got = both(lambda: obj.put_commit_begin(pa, sums, written), lambda: cmp.put_commit_begin(pb, sums, written))
+        if not got:
+            return
+        ca, cb = got
+        assert ca.status == cb.status
+        assert [(r.key, r.offset, r.length) if r else None for r in ca.replicas] == [
+            (r.key, r.offset, r.length) if r else None for r in cb.replicas
+        ]
+        outcome = {}
+        for i, rep in enumerate(ca.replicas):
+            if rep is None or rnd.random() < 0.6:
+                continue
+            if rnd.random() < 0.5:
+                outcome[i] = (rnd.choice((2, 3, 4)), 0)  # MISMATCH, NO_SPACE, UNAVAILABLE
+            elif rep.size > ALIGN:
+                outcome[i] = (0, ALIGN)  # stored in fewer bytes: the rest of the extent goes back
+        if rnd.random() < 0.1:
+            d = rnd.choice(sorted(self.daemons))
+            obj._drop_daemon(d)
+            cmp._drop_daemon(d)
+            assert obj.register_daemon(spec(d, self.daemons[d]), {}) == cmp.register_daemon(
+                spec(d, self.daemons[d]), {}
+            )
+        assert obj.put_commit_end(ca, outcome) == cmp.put_commit_end(cb, outcome)
+
     def step(self) -> None:
         rnd, obj, cmp = self.rnd, self.obj, self.cmp
         op = rnd.random()
@@ -102,6 +132,8 @@ class Pair:
             r = rnd.random()
             if r < 0.15:
                 assert both(lambda: obj.put_abort(pa), lambda: cmp.put_abort(pb)) in (None,) or True
+            elif r < 0.55:
+                self.commit_in_two(pa, pb, n, sums)
             else:
                 written = [rnd.random() < 0.9 for _ in range(n)] if r < 0.3 else None
                 got = both(lambda: obj.put_commit(pa, sums, written), lambda: cmp.put_commit(pb, sums, written))
@@ -134,17 +166,29 @@ class Pair:
             flag = rnd.random() < 0.5
             a, b = both(lambda: obj.pin(keys, flag), lambda: cmp.pin(keys, flag))
             assert a == b
-        elif op < 0.92:
+        elif op < 0.91:
             chains = [b"".join(self.chain()) for _ in range(rnd.randint(1, 3))]
             a, b = both(lambda: obj.touch(chains), lambda: cmp.touch(chains))
             assert a == b
+        elif op < 0.92:
+            keys = b"".join(self.chain())
+            assert obj.tiers(keys)[0] == cmp.tiers(keys)[0]
+            assert obj.pin_candidates(keys) == cmp.pin_candidates(keys)
+            assert [obj.is_pinned(k) for k in self.chains[0]] == [cmp.is_pinned(k) for k in self.chains[0]]
+            assert len(obj) == len(cmp)
+        elif op < 0.925:
+            d = rnd.choice(sorted(self.daemons))
+            a, b = obj.drain_daemon(d), cmp.drain_daemon(d)
+            assert a == b
+            assert obj.register_daemon(spec(d, self.daemons[d]), {}) == cmp.register_daemon(
+                spec(d, self.daemons[d]), {}
+            )
         elif op < 0.97:
             self.clock.advance(rnd.choice((0.5, 2.0, 12.0)))
             for d in self.daemons:
                 if rnd.random() < 0.97:
                     assert obj.heartbeat(d) == cmp.heartbeat(d)
             a, b = obj.expire(), cmp.expire()
-            a.pop("engines")
             assert a == b
             for d, slots in self.daemons.items():
                 if d not in obj.daemons:  # lost: it comes back empty
@@ -163,7 +207,10 @@ def test_the_compact_index_answers_as_the_object_index_on_random_operations(seed
     for _ in range(1500):
         pair.step()
     assert pair.obj.counters["evictions"] > 0  # the capacity was short: eviction order was compared
-    for name in ("hit_keys", "miss_keys", "put_keys", "evictions", "removed", "expired_leases", "tombstones"):
+    assert pair.obj.counters["commit_failed_keys"] > 0  # daemons refused blocks in two-phase commits
+    assert pair.obj.counters["daemons_drained"] > 0
+    names = ("hit_keys", "miss_keys", "put_keys", "evictions", "removed", "expired_leases", "tombstones")
+    for name in (*names, "commit_failed_keys", "daemons_drained", "put_bytes"):
         assert pair.obj.counters[name] == pair.cmp.counters[name], name
 
 
@@ -372,3 +419,57 @@ def test_a_checksum_that_is_not_an_integer_is_refused(bad) -> None:  # noqa: ANN
         p = ix.put_start(key(1), [BLK])
         with pytest.raises(InvalidArgument, match=r"checksums\[0\]"):
             ix.put_commit(p.put_id, [bad])
+
+
+@pytest.mark.parametrize("make", [Index, CompactIndex], ids=["object", "compact"])
+def test_registration_in_steps_takes_no_puts_until_adopted_and_can_be_superseded(make) -> None:  # noqa: ANN001
+    clock = FakeClock()
+    ix = make(IndexLimits(cache_policy="lru"), clock)
+    ix.register_daemon(spec("d1", 8), {})
+    keys = [key(i) for i in range(5)]
+    inv = {1: [InventoryItem(k, i * ALIGN, BLK, csum(k), 0, 10 + i) for i, k in enumerate(keys)]}
+    steps = ix.register_daemon_steps(spec("d2", 8), inv, chunk=2)
+    next(steps)  # one step in: part adopted, the daemon known but not placeable
+    assert ix.daemons["d2"].adopting and ix.lookup(b"".join(keys))[0] == 1
+    r = ix.put_start(key(50), [BLK], host_id="h-d2")
+    assert ix.locations(r.placements)[0].segment.daemon.spec.daemon_id == "d1"
+    clock.advance(ix.limits.daemon_ttl_s * 0.9)
+    ix.heartbeat("d1")
+    next(steps)  # the adopting daemon's lease is renewed at every step
+    clock.advance(ix.limits.daemon_ttl_s * 0.9)
+    ix.heartbeat("d1")
+    assert ix.expire()["daemons"] == 0 and "d2" in ix.daemons
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    assert done.value.value == 0 and not ix.daemons["d2"].adopting and ix.lookup(b"".join(keys))[0] == 5
+    ix.put_abort(r.put_id)
+    ix.check_integrity()
+    # A second registration in the middle of the first supersedes it.
+    later = [key(i) for i in range(10, 15)]
+    first = ix.register_daemon_steps(
+        spec("d3", 8), {1: [InventoryItem(k, i * ALIGN, BLK, 1, 0, 30 + i) for i, k in enumerate(later)]}, chunk=2
+    )
+    next(first)
+    assert ix.register_daemon(spec("d3", 8), {1: [InventoryItem(key(20), 0, BLK, 1, 0, 40)]}) == 0
+    with pytest.raises(StopIteration):
+        next(first)
+    assert ix.lookup(key(20))[0] == 1 and ix.lookup(later[0])[0] == 0 and ix.lookup(later[2])[0] == 0
+    ix.check_integrity()
+
+
+@pytest.mark.parametrize("make", [Index, CompactIndex], ids=["object", "compact"])
+def test_a_drained_daemon_leaves_now_and_its_leases_are_followed(make) -> None:  # noqa: ANN001
+    clock = FakeClock()
+    ix = make(IndexLimits(cache_policy="lru"), clock)
+    ix.register_daemon(spec("d1", 8), {})
+    p = ix.put_start(key(1) + key(2), [BLK, BLK])
+    assert ix.put_commit(p.put_id, [1, 2]) == 2
+    lease = ix.acquire(key(1), ttl_s=5.0)
+    assert ix.drain_daemon("d1") == (2, 1, 5.0)
+    assert "d1" not in ix.daemons and ix.lookup(key(1) + key(2))[0] == 0 and len(ix) == 0
+    clock.advance(2.0)
+    assert ix.drain_daemon("d1") == (0, 1, 3.0)  # called again: nothing dropped, the lease followed
+    ix.release(lease.lease_id)
+    assert ix.drain_daemon("d1") == (0, 0, 0.0)
+    assert ix.counters["daemons_drained"] == 1
+    ix.check_integrity()

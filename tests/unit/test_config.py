@@ -309,6 +309,7 @@ SPECIAL = {
     "meta.dram_high_watermark": ("0.95", 0.95),
     "meta.dram_low_watermark": ("0.15", 0.15),
     "meta.cache_policy": ("lru", "lru"),
+    "meta.index": ("object", "object"),
     "daemon.ssd_durability": ("durable", "durable"),
     "daemon.ssd_compress": ("off", "off"),
     "client.transport": ("tcp", "tcp"),
@@ -341,6 +342,8 @@ SPECIAL = {
         (["daemon.data_port=70000"], "daemon.data_port: must be a port number"),
         (["daemon.ssd_durability=sometimes"], "daemon.ssd_durability: must be one of fast, durable"),
         (["meta.cache_policy=random"], "meta.cache_policy: must be one of adaptive, lru"),
+        (["meta.index=columns"], "meta.index: must be one of object, compact"),
+        (["meta.index=compact"], "meta.index=compact evicts least recently used first, not by the 'adaptive'"),
         (["client.transport=carrier-pigeon"], "client.transport: must be one of auto, shm, tcp"),
         (["client.io_threads=0"], "client.io_threads: must be positive"),
         (["client.retries=-1"], "client.retries: must be >= 0"),
@@ -479,3 +482,9 @@ def test_client_settings_come_from_the_environment(monkeypatch, tmp_path):
     cc, tls = client_settings(rpc_timeout_s=2, retries=0)
     assert cc.token == "tenant-a-token-0123456789" and cc.rpc_timeout_s == 2 and cc.retries == 0
     assert tls.enabled and tls.cert.endswith("client.pem")
+
+
+def test_the_compact_index_loads_with_the_lru_policy():
+    cfg = load_config(overrides=["meta.index=compact", "meta.cache_policy=lru"], env={})
+    assert (cfg.meta.index, cfg.meta.cache_policy) == ("compact", "lru")
+    assert load_config(env={}).meta.index == "object"

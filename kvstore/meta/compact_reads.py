@@ -1,0 +1,135 @@
+"""Reads from the compact index (:class:`kvstore.meta.compact.CompactIndex`): leading-run lookups,
+leases that pin a run against eviction (a dropped block's extent is freed when its last lease
+ends), touches of chains a client served itself, and where each key is per tier. A mixin over
+the compact index's state (``table``, ``segments``, ``daemons``, ``leases``, ``counters``), as
+the read half of :mod:`kvstore.meta.index` is for the object index.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import unpack_keys
+from kvstore.meta.records import AcquireResult, Tier
+from kvstore.meta.table import LIVE
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    deadline: float
+    rows: np.ndarray
+
+
+class CompactReads:
+    """Lookup, Acquire, Release, Touch and per-tier lookups over the block table."""
+
+    def lookup(
+        self, packed_keys: bytes, per_key: bool = False, with_locations: bool = False
+    ) -> tuple[int, list[bool], np.ndarray]:
+        """Leading hit count (and per-key existence, and the run's rows). No side effects
+        (counters aside)."""
+        _, rows, ready = self._find(packed_keys)
+        n = self._run(ready)
+        self.counters["lookups"] += 1
+        self.counters["lookup_keys"] += len(rows)
+        self.counters["lookup_hit_keys"] += n
+        exists: list[bool] = ready.tolist() if per_key else []
+        return n, exists, rows[:n] if with_locations else _NONE
+
+    def acquire(self, packed_keys: bytes, ttl_s: float = 0.0) -> AcquireResult:
+        """Leases the leading run of committed keys (see ``Index.acquire``); locations are rows."""
+        _, rows, ready = self._find(packed_keys)
+        ttl = self._timeout(ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s, "lease ttl")
+        n = self._run(ready)
+        self.counters["acquires"] += 1
+        self.counters["hit_keys"] += n
+        self.counters["miss_keys"] += len(rows) - n
+        if not n:
+            return AcquireResult(0, 0, _NONE, ttl)
+        t = self.table
+        run = rows[:n]
+        uniq, times = np.unique(run, return_counts=True)
+        first = uniq[t.leases[uniq] == 0]
+        for ref, c in zip(*np.unique(t.seg[first], return_counts=True)):
+            self.segments[int(ref)].leased += int(c)
+        t.leases[uniq] += times.astype(np.uint32)
+        self.counters["hit_bytes"] += int(t.length[run].sum(dtype=np.uint64))
+        for ref in np.unique(t.seg[run]).tolist():
+            if self.segments[ref].spec.tier != Tier.DRAM:
+                self.counters["ssd_hit_keys"] += int((t.seg[run] == ref).sum())
+        lease_id = next(self._lease_ids)
+        deadline = self.clock.now() + ttl
+        self.leases[lease_id] = Lease(lease_id, deadline, run)
+        heapq.heappush(self._lease_deadlines, (deadline, lease_id))
+        return AcquireResult(n, lease_id, run.copy(), ttl)
+
+    def _unlease(self, row: int) -> None:
+        t = self.table
+        t.leases[row] -= 1
+        if t.leases[row]:
+            return
+        seg = self.segments[int(t.seg[row])]
+        seg.leased -= 1
+        if not t.flags[row] & LIVE:
+            seg.alloc.release(int(t.off[row]), int(t.size[row]))
+            t.free(row)
+            if not seg.leased and self.daemons.get(seg.daemon.spec.daemon_id) is not seg.daemon:
+                del self.segments[seg.ref]  # its daemon was lost; this was the last block held there
+        elif t.is_evictable(row):
+            t.stamp_one(row)
+
+    def release(self, lease_id: int, corrupt: Iterable[int] = ()) -> None:
+        """Ends a lease; blocks at the ``corrupt`` run indexes failed their checksum and are dropped."""
+        lease, bad = self._release_args(lease_id, corrupt, "rows")
+        del self.leases[lease_id]
+        rows = lease.rows.tolist()
+        for i in bad:
+            if self.table.flags[rows[i]] & LIVE:
+                self.counters["corrupt_reported"] += 1
+                self._drop(rows[i])
+        for row in reversed(rows):  # tail first: the chain's head ends up most recent
+            self._unlease(row)
+
+    def _touch_rows(self, rows: np.ndarray) -> None:
+        """Makes a chain's stored, evictable blocks most recent, tail first."""
+        rows = rows[::-1]
+        rows = rows[rows >= 0]
+        self.table.stamp(rows[self.table.evictable(rows)])
+
+    def touch(self, chains: list[bytes]) -> int:
+        """Reads a client served itself (see ``Index.touch``). Returns how many keys are stored."""
+        total, found = 0, []
+        for i, packed in enumerate(chains):
+            _, rows, ready = self._find(packed, f"chains[{i}]")
+            total += len(rows)
+            if total > self.limits.max_batch_keys:
+                raise InvalidArgument(f"chains: over the limit of {self.limits.max_batch_keys} keys in one call")
+            found.append((rows, ready))
+        stored = 0
+        for rows, ready in found:
+            n = self._run(ready)
+            self._touch_rows(rows)
+            stored += n
+            self.counters["touches"] += 1
+            self.counters["touched_keys"] += n
+        return stored
+
+    def tiers(self, packed_keys: bytes) -> tuple[bytes, dict[str, tuple[str, bytearray]]]:
+        """Where each key is, per tier (see ``Index.tiers``): a block has one replica here, so
+        one bit per committed key."""
+        _, rows, ready = self._find(packed_keys)
+        out = np.zeros(len(rows), dtype=np.uint8)
+        t = self.table
+        for ref in np.unique(t.seg[rows[ready]]).tolist():
+            tier = self.segments[ref].spec.tier
+            if tier in (Tier.DRAM, Tier.SSD):
+                out[ready & (t.seg[np.maximum(rows, 0)] == ref)] = 1 << (tier - 1)
+        return out.tobytes(), self.engine_tier.held(unpack_keys(packed_keys))
