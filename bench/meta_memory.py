@@ -147,6 +147,10 @@ def report(result: dict) -> str:
         "",
         f"Object index over compact index: **{result['object_over_compact_bytes']}x** the memory per block, "
         f"{result['compact_over_object_put_rate']}x the put rate (compact over object).",
+        "",
+        "The compact index's own columns and hash table take about 90 bytes per block (`bench/index_scale.py`, "
+        "in process); the service's resident memory also counts their headroom (rows grow by half, the hash "
+        "table doubles at 70 % fill) and what the process's allocators keep of the puts' transient buffers.",
     ]
     return "\n".join(lines) + "\n"
 
