@@ -44,10 +44,9 @@ class MetaConfig:
     # Eviction, demotion order and admission: "adaptive" (recency or frequency, whichever the
     # traffic rewards, see kvstore.meta.policy) or "lru" (recency only, every block stored).
     cache_policy: str = "adaptive"
-    # The index's layout: "object" (a Python object per block: tier moves, replicas on DRAM and
-    # SSD, every cache policy) or "compact" (columns, about 90 bytes per block: for pools of
-    # hundreds of millions of blocks; one replica per block, no tier moves, least recently used
-    # first, so it needs cache_policy "lru"; kvstore.meta.compact).
+    # The index's layout: "object" (a Python object per block, every cache policy) or "compact"
+    # (columns, about 90 bytes per block, for pools of hundreds of millions of blocks: one replica
+    # per block, least recently used first, so it needs cache_policy "lru"; kvstore.meta.compact).
     index: str = "object"
     # The device tier (kvstore.meta.engines): an engine's reported holdings lapse this long after
     # its last report unless it names another time to live; at most this many engines.

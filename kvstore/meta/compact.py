@@ -14,9 +14,10 @@ Where it differs, by design:
 - Per block there is a row of fixed-width columns and a hash slot (:mod:`kvstore.meta.table`),
   not an entry, a replica, a location row and four container entries; batch operations
   (lookup, acquire, touch, commit) are vectorised over the batch.
-- A block has one replica. Moves between tiers (demotion, promotion) and the adaptive policy are
-  not part of it yet: a block stays on the tier it was written to, and a segment's least
-  recently used block is its victim, on any tier.
+- A block has one replica. A daemon's DRAM above its high watermark demotes its least recently
+  used blocks to its SSD and blocks read from SSD are promoted back (:mod:`.compact_tiers`: the
+  row moves with the block, and a promoted block keeps no SSD copy). The adaptive policy is not
+  part of it: a segment's least recently used block is its victim, on any tier.
 - Locations come back as rows of the table; :meth:`location_rows` packs them as the wire's
   location rows in one call, :meth:`locations` spells them out (as the service does for its
   answers).
@@ -44,6 +45,7 @@ from kvstore.errors import Internal, InvalidArgument
 from kvstore.meta.checks import Checks
 from kvstore.meta.compact_daemons import CompactMembership
 from kvstore.meta.compact_reads import CompactReads, Lease
+from kvstore.meta.compact_tiers import CompactMove, CompactTierMoves
 from kvstore.meta.compact_writes import CompactWrites, Put
 from kvstore.meta.engines import DeviceTier, EngineTier
 from kvstore.meta.quarantine import Quarantine
@@ -54,7 +56,6 @@ from kvstore.meta.records import (
     Clock,
     Daemon,
     IndexLimits,
-    Move,
     Segment,
     Tombstone,
     expired,
@@ -102,7 +103,7 @@ class TablePolicy:
         return {}
 
 
-class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, DeviceTier):
+class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, CompactTierMoves, DeviceTier):
     """The index's block state in columns. See the module docstring for what it covers."""
 
     def __init__(self, limits: IndexLimits | None = None, clock: Clock | None = None, rows: int = 1024) -> None:
@@ -120,9 +121,10 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Devic
             self.limits.max_engine_ttl_s,
             self.limits.max_engines_per_tenant,
         )
-        # Tier moves are not part of the compact index: a block stays on the tier it was written
-        # to (plan_moves plans none), so none is ever in flight.
-        self.moves: dict[int, Move] = {}
+        self.moves: dict[int, CompactMove] = {}  # tier moves in flight (kvstore.meta.compact_tiers)
+        # Rows read from SSD, to be promoted to DRAM in the background: row -> its generation
+        # then (a row dropped and reused since holds another generation).
+        self.promote_queue: dict[int, int] = {}
         self.daemons: dict[str, Daemon] = {}
         self.segments: dict[int, Segment] = {}  # by ref; a lost daemon's stay while leases hold rows there
         self.puts: dict[int, Put] = {}
@@ -130,6 +132,7 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Devic
         base = random.getrandbits(62)
         self._put_ids = itertools.count(base)
         self._lease_ids = itertools.count(base)
+        self._move_ids = itertools.count(base)
         self._segment_refs = itertools.count(1)
         self._last_gen = 0
         self.tombstones: dict[str, list[Tombstone]] = {}
@@ -266,16 +269,6 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Devic
         row = int(self.table.find(words(key))[0])
         return row >= 0 and bool(self.table.flags[row] & PINNED)
 
-    # ---- tiers ------------------------------------------------------------------------------
-
-    def plan_moves(self, max_bytes: int = 64 << 20, skip: Iterable[str] = ()) -> dict[str, list[Move]]:
-        """None: a block stays on the tier it was written to (puts fill DRAM first, then SSD;
-        each segment evicts its own least recently used blocks)."""
-        return {}
-
-    def finish_move(self, move_id: int, ok: bool, stored_size: int = 0) -> None:
-        """No move is ever planned, so there is none to finish."""
-
     # ---- time -------------------------------------------------------------------------------
 
     def expire(self) -> dict[str, int]:
@@ -315,6 +308,9 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Devic
         quarantined: dict[int, list[tuple[int, int]]] = {}
         for seg, offset, size in self._quarantine.extents(self._current):
             quarantined.setdefault(seg.ref, []).append((offset, size))
+        targets: dict[int, list[tuple[int, int]]] = {}
+        for seg, offset, size in self._move_extents():
+            targets.setdefault(seg.ref, []).append((offset, size))
         for ref, seg in self.segments.items():
             on = t.seg[:n] == ref
             if self._current(seg):
@@ -322,11 +318,15 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Devic
                 q = quarantined.get(ref, [])
                 assert seg.quarantined == sum(size for _, size in q), f"segment {ref}: quarantined {seg.quarantined}"
                 used = int(t.size[:n][on & (live | held)].sum(dtype=np.uint64))
-                assert seg.alloc.used == used + seg.quarantined, (
-                    f"segment {ref}: allocator used {seg.alloc.used} != blocks {used} + quarantined {seg.quarantined}"
+                moving = sum(size for _, size in targets.get(ref, []))
+                assert seg.alloc.used == used + seg.quarantined + moving, (
+                    f"segment {ref}: allocator used {seg.alloc.used} != blocks {used} + quarantined "
+                    f"{seg.quarantined} + move targets {moving}"
                 )
                 mine = np.flatnonzero(on & (live | held))
-                seg.alloc.check_disjoint(list(zip(t.off[mine].tolist(), t.size[mine].tolist())) + q)
+                seg.alloc.check_disjoint(
+                    list(zip(t.off[mine].tolist(), t.size[mine].tolist())) + q + targets.get(ref, [])
+                )
             assert seg.blocks == int((on & live).sum()), f"segment {ref}: block count {seg.blocks}"
             assert seg.pinned == int((on & live & ((t.flags[:n] & PINNED) != 0)).sum()), f"segment {ref}: pinned"
             assert seg.leased == int((on & (t.leases[:n] > 0)).sum()), f"segment {ref}: leased {seg.leased}"

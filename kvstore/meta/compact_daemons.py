@@ -41,6 +41,7 @@ class CompactMembership(DaemonLife):
     def _drop_daemon(self, daemon_id: str) -> None:
         """Forgets a daemon and its blocks (committed and reserved) and the extents held back
         there; a segment whose blocks are still leased stays known until the last lease ends."""
+        self._fail_moves(daemon_id)
         d = self.daemons.pop(daemon_id)
         t = self.table
         for seg in d.segments.values():

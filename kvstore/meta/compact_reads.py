@@ -26,6 +26,7 @@ class Lease:
     lease_id: int
     deadline: float
     rows: np.ndarray
+    gens: np.ndarray  # the copies read: a row moved to another tier since holds another generation
 
 
 class CompactReads:
@@ -65,9 +66,10 @@ class CompactReads:
         for ref in np.unique(t.seg[run]).tolist():
             if self.segments[ref].spec.tier != Tier.DRAM:
                 self.counters["ssd_hit_keys"] += int((t.seg[run] == ref).sum())
+        self._queue_promotions(run)
         lease_id = next(self._lease_ids)
         deadline = self.clock.now() + ttl
-        self.leases[lease_id] = Lease(lease_id, deadline, run)
+        self.leases[lease_id] = Lease(lease_id, deadline, run, t.gen[run])
         heapq.heappush(self._lease_deadlines, (deadline, lease_id))
         return AcquireResult(n, lease_id, run.copy(), ttl)
 
@@ -87,12 +89,14 @@ class CompactReads:
             t.stamp_one(row)
 
     def release(self, lease_id: int, corrupt: Iterable[int] = ()) -> None:
-        """Ends a lease; blocks at the ``corrupt`` run indexes failed their checksum and are dropped."""
+        """Ends a lease; blocks at the ``corrupt`` run indexes failed their checksum and are dropped
+        (unless they moved to another tier meanwhile: the copy read is gone already)."""
         lease, bad = self._release_args(lease_id, corrupt, "rows")
         del self.leases[lease_id]
         rows = lease.rows.tolist()
+        t = self.table
         for i in bad:
-            if self.table.flags[rows[i]] & LIVE:
+            if t.flags[rows[i]] & LIVE and t.gen[rows[i]] == lease.gens[i]:
                 self.counters["corrupt_reported"] += 1
                 self._drop(rows[i])
         for row in reversed(rows):  # tail first: the chain's head ends up most recent
@@ -116,6 +120,7 @@ class CompactReads:
         stored = 0
         for rows, ready in found:
             n = self._run(ready)
+            self._queue_promotions(rows[:n])
             self._touch_rows(rows)
             stored += n
             self.counters["touches"] += 1

@@ -35,7 +35,9 @@ class Put:
 class _Placed(Sequence):
     """A pending commit's blocks as the daemons' commits read them: per placement index, the
     block's :class:`~kvstore.meta.compact.Location` (spelled out when asked for) or None (not
-    to be committed). ``mask`` says which are there."""
+    to be committed). ``mask`` says which are there. Read them before anything else can change
+    the index (the daemon link does, at once): a row whose daemon is lost is freed and may
+    then hold another block."""
 
     def __init__(self, index, rows: np.ndarray, mask: np.ndarray) -> None:  # noqa: ANN001 - CompactIndex
         self.index, self.rows, self.mask = index, rows, mask
@@ -203,7 +205,7 @@ class CompactWrites:
         status[asked & ~good] = CommitStatus.UNAVAILABLE
         until = put.deadline + self.limits.write_ticket_grace_s
         for i, (st, stored) in (outcome or {}).items():
-            if not good[i]:
+            if not 0 <= i < len(good) or not good[i]:  # not one of this put's blocks
                 continue
             row = int(put.rows[i])
             if st != CommitStatus.OK:

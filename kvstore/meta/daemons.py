@@ -277,7 +277,7 @@ class DaemonLink:
         req = daemon_pb2.MoveRequest(
             shard=self.shard,
             epoch=self.epoch,
-            keys=b"".join(mv.src.entry.key for mv in moves),
+            keys=b"".join(mv.src.key for mv in moves),
             src_segment=pack([mv.src.segment.spec.segment_id for mv in moves], U32),
             src_offset=pack([mv.src.offset for mv in moves], U64),
             dst_segment=pack([mv.dst.segment.spec.segment_id for mv in moves], U32),

@@ -20,6 +20,7 @@ from kvstore.meta.auth import OPEN, Authority, Identity, Quotas, require
 from kvstore.meta.daemons import DaemonLink, invalidations_pb
 from kvstore.meta.index import (
     SEGMENT_ALIGN,
+    CommitStatus,
     DaemonSpec,
     Index,
     InventoryItem,
@@ -237,6 +238,10 @@ class MetaServicer:
             timeout_s=request.timeout_ms / 1000.0,
             exclude=request.exclude_daemons,
         )
+        # Spelled out now: during the flush the put can end (its deadline, its daemon lost) and a
+        # compact index can give its rows to another put; the extents stay this put's (held back
+        # until its write tickets lapse).
+        places = self.index.locations(res.placements)
         # Space freed by eviction is handed out only once its old blocks are gone on their
         # daemons: a restarted service must not find an evicted block again.
         await self.link.flush(mark)
@@ -249,9 +254,7 @@ class MetaServicer:
         return meta_pb2.PutStartResponse(
             put_id=res.put_id,
             status=pack(res.status, U8),
-            placements=locations_to_pb(
-                self.index.locations(res.placements), tickets.WRITE, left, keys=self.authority is not None
-            ),
+            placements=locations_to_pb(places, tickets.WRITE, left, keys=self.authority is not None),
             deadline_unix_ms=int((time.time() + left) * 1000),
         )
 
@@ -260,11 +263,29 @@ class MetaServicer:
         sums = unpack(request.checksums, U64, "checksums")
         written = _flags(request.written, "written") if request.written else None
         pc = self.index.put_commit_begin(request.put_id, sums, written)  # drops only unwritten blocks
-        outcome = await self.link.commit(pc)
+        commit = asyncio.ensure_future(self.link.commit(pc))
+        try:
+            outcome = await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            # The caller went away (its deadline) while the daemons commit: the put has left the
+            # reservation table, so it is ended when they answer, or its blocks would stay
+            # "being written" and their extents held for as long as their daemon lives.
+            commit.add_done_callback(lambda done: self._end_commit(pc, done))
+            raise
         mark = self.link.mark()
         committed, status = self.index.put_commit_end(pc, outcome)
         await self.link.flush(mark)
         return meta_pb2.PutCommitResponse(committed=committed, status=pack(status, U8))
+
+    def _end_commit(self, pc, done: asyncio.Future) -> None:  # noqa: ANN001 - records.PendingCommit
+        """The second half of a commit whose caller went away (see :meth:`PutCommit`): the
+        daemons' answers, or none (every block unavailable: dropped, with tombstones for what a
+        daemon may hold) if asking them failed. Tombstones go out with the next sweep."""
+        if done.cancelled() or done.exception() is not None:
+            outcome = {i: (int(CommitStatus.UNAVAILABLE), 0) for i in range(len(pc.status))}
+        else:
+            outcome = done.result()
+        self.index.put_commit_end(pc, outcome)
 
     async def PutAbort(self, request, context):
         self._own(self._put_owner, self.index.puts, self._who(context, "tenant", "admin"), request.put_id, "put")

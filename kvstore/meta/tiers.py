@@ -7,10 +7,21 @@ source and reserves its target until the daemon reports the copy. Part of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from kvstore.extent import extent_size
-from kvstore.meta.records import Entry, Move, Replica, Segment, Tier
+from kvstore.meta.records import Daemon, Entry, Move, Replica, Segment, Tier
+
+
+def tiered(daemons: Iterable[Daemon], skip: set[str]) -> Iterator[tuple[Daemon, Segment, Segment]]:
+    """(daemon, its DRAM segment, its SSD segment) of the daemons with both, except those in
+    ``skip`` (a batch of their moves is still under way) and those adopting their inventory."""
+    for d in daemons:
+        if d.spec.daemon_id in skip or d.adopting:
+            continue
+        dram, ssd = d.tier(Tier.DRAM), d.tier(Tier.SSD)
+        if dram is not None and ssd is not None:
+            yield d, dram, ssd
 
 
 class TierMoves:
@@ -29,12 +40,7 @@ class TierMoves:
         plans: dict[str, list[Move]] = {}
         skip = set(skip)
         later: list[bytes] = []
-        for d in self.daemons.values():
-            if d.spec.daemon_id in skip or d.adopting:
-                continue
-            dram, ssd = d.tier(Tier.DRAM), d.tier(Tier.SSD)
-            if dram is None or ssd is None:
-                continue
+        for d, dram, ssd in tiered(self.daemons.values(), skip):
             moves = self._plan_demotions(dram, ssd, max_bytes)
             if moves:
                 plans.setdefault(d.spec.daemon_id, []).extend(moves)

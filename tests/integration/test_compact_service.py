@@ -1,8 +1,9 @@
 """The metadata service on the compact index (``meta.index=compact``), with real processes: the
-round trips, eviction order, faults and restarts that the service's own tests run on the object
-index, run again here on a service whose every block is a row of the block table
-(kvstore.meta.compact), plus what differs: no tier moves, a configuration that asks for a
-policy the compact index does not have is refused, and the service's state reads the same."""
+round trips, eviction order, faults, restarts and tier moves (demotion under pressure, promotion
+on reads, gets racing both, a damaged SSD block, a daemon killed mid-burst) that the service's
+own tests run on the object index, run again here on a service whose every block is a row of the
+block table (kvstore.meta.compact); plus a configuration that asks for a policy the compact
+index does not have is refused, and the service's state and metrics read from the table."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, Cluster, flip_byte, locations, wait_until
+from conftest import REPO, Cluster, wait_until
 
 from kvstore import SyncKVStoreClient
-from kvstore.extent import HEADER_SIZE
+from kvstore.config import ClientConfig
+from kvstore.errors import Internal
 
 # The same tests, collected again in this module, where every service they start runs the compact
 # index (this module's ``cluster`` fixture; ``store`` builds on it).
@@ -38,6 +40,14 @@ from tests.integration.test_roundtrip import (  # noqa: F401
     test_pin_and_unpin,
     test_put_get_roundtrip_bytes_identical,
     test_written_one_way_read_the_other,
+)
+from tests.integration.test_ssd_moves import (  # noqa: F401
+    test_gets_racing_demotion_and_promotion_always_serve_every_block,
+)
+from tests.integration.test_ssd_tier import (  # noqa: F401
+    test_demote_under_pressure_then_promote_on_hit_bytes_identical,
+    test_flipped_byte_on_ssd_is_a_miss_and_the_replica_is_dropped,
+    test_sigkill_during_write_burst_then_restart_serves_committed_blocks,
 )
 
 COMPACT = ("meta.index=compact", "meta.cache_policy=lru")
@@ -61,39 +71,6 @@ def test_a_compact_index_with_another_cache_policy_is_refused_at_start(tmp_path:
     assert "meta.index=compact" in out.stderr and "meta.cache_policy=lru" in out.stderr
 
 
-def test_blocks_stay_on_the_tier_they_were_written_to_and_read_back_exact(cluster: Cluster) -> None:
-    """DRAM fills first, then SSD; no block moves between them (the compact index plans no moves),
-    and every block reads back as written, from either tier."""
-    cluster.start_meta()
-    cluster.start_daemon("daemon.ssd_bytes=64MiB", dram="4MiB", name="tiers")
-    size = 256 << 10
-    keys = KS.block_keys(list(range(40 * 16)))[:40]  # 10 MiB: more than DRAM holds
-    data = blocks(len(keys), size, seed=7)
-    with SyncKVStoreClient(cluster.meta_addr) as c:
-        assert c.put(keys, data).stored == len(keys)
-        where = c.lookup_tiers(keys).tiers
-        assert set(where) == {1, 2} and where.count(1) <= 15  # DRAM (4 MiB) full, the rest on SSD
-        out = [np.zeros(size, np.uint8) for _ in keys]
-        assert c.get_into(keys, out) == len(keys)
-        for i, (a, b) in enumerate(zip(out, data)):
-            assert np.array_equal(a, b), f"block {i} came back with other bytes"
-        assert c.lookup_tiers(keys).tiers == where  # nothing was promoted or demoted
-        st = c.stats()
-        assert st.keys == len(keys)
-        assert st.counters["demoted"] == st.counters["promoted"] == 0
-        assert st.counters["put_ssd_keys"] == where.count(2)
-        # A damaged byte of a block on SSD: a miss from there on, reported, and the block gone.
-        i = where.index(2, 20)
-        loc = locations(cluster.meta_addr, keys)[i]
-        assert loc.segment.tier == 2
-        flip_byte(cluster.tmp / "daemon-tiers" / "ssd" / "ssd-2.data", loc.offset + HEADER_SIZE + 100)
-        out = [np.zeros(size, np.uint8) for _ in keys]
-        assert c.get_into(keys, out) == i
-        assert all(np.array_equal(out[j], data[j]) for j in range(i))
-        wait_until(lambda: c.lookup(keys) == i)
-        assert c.stats().counters["corrupt_reported"] == 1
-
-
 def test_service_state_and_metrics_read_from_the_block_table(cluster: Cluster) -> None:
     from tests.integration.test_observability import scrape, value
 
@@ -109,3 +86,46 @@ def test_service_state_and_metrics_read_from_the_block_table(cluster: Cluster) -
     assert value(m, "kvstore_meta_keys") == 8
     assert value(m, "kvstore_meta_segment_pinned_blocks") == 3
     assert value(m, "kvstore_meta_policy_frequency_mode") == 0
+
+
+def test_a_put_whose_rows_are_given_to_another_while_it_waits_keeps_its_own_extents(cluster: Cluster) -> None:
+    """PutStart waits for a stopped daemon to drop what eviction took from it; meanwhile that
+    daemon's lease lapses, its blocks (the waiting put's new ones too) leave the index, and their
+    rows go to another writer's put on another daemon. The waiting put is answered with its own
+    extents, not the other writer's: the other writer's blocks read back whole."""
+    import os
+    import signal
+    import threading
+
+    cluster.start_meta()
+    d1 = cluster.start_daemon(dram="1MiB", name="d1", host_id="hA")
+    size = 256 << 10
+    keys = KS.block_keys(list(range(16 * 16)))[:16]
+    data = blocks(len(keys), size, seed=3)
+    first = SyncKVStoreClient(cluster.meta_addr, ClientConfig(host_id="hB", rpc_timeout_s=30))
+    try:
+        assert first.put(keys[:8], data[:8]).stored > 0  # d1 full: the next put evicts there
+        os.kill(d1.p.pid, signal.SIGSTOP)
+        out: dict = {}
+
+        def waiting_put() -> None:
+            try:
+                out["put"] = first.put(keys[8:9], data[8:9])
+            except Exception as e:  # noqa: BLE001 - any typed error is an answer; checked below
+                out["put"] = e
+
+        th = threading.Thread(target=waiting_put)
+        th.start()
+        cluster.start_daemon(dram="8MiB", name="d2", host_id="hB")
+        wait_until(lambda: "d1" not in [d.info.daemon_id for d in first.stats().daemons], timeout=15)
+        with SyncKVStoreClient(cluster.meta_addr, ClientConfig(host_id="hB")) as other:
+            assert other.put(keys[10:16], data[10:16]).stored == 6
+            th.join(60)
+            assert not th.is_alive()
+            assert not isinstance(out["put"], Internal), out["put"]
+            got = [np.zeros(size, np.uint8) for _ in range(6)]
+            assert other.get_into(keys[10:16], got) == 6
+            assert all(np.array_equal(a, b) for a, b in zip(got, data[10:16]))
+    finally:
+        os.kill(d1.p.pid, signal.SIGCONT)
+        first.close()

@@ -241,3 +241,40 @@ def test_eight_client_processes_mixed_puts_and_gets_see_no_mismatch(cluster):
         s = c.stats()
         assert s.counters["evictions"] > 0
         assert s.active_leases == 0
+
+
+def test_a_commit_whose_caller_gives_up_is_still_ended_when_the_daemon_answers(cluster):
+    """PutCommit's caller times out while the service waits for the daemon's Commit (the daemon
+    is stopped): the put has left the reservation table, and it is ended once the daemon answers,
+    so that its key does not stay "being written" for as long as the daemon lives."""
+    import os
+    import signal
+
+    import grpc
+
+    from kvstore.v1 import meta_pb2, meta_pb2_grpc
+    from kvstore.wire import U8, U64, pack, unpack
+
+    cluster.start_meta("meta.daemon_ttl_s=30", "meta.heartbeat_interval_s=0.1")
+    d = cluster.start_daemon(dram="8MiB", name="slow")
+    stub = meta_pb2_grpc.MetaServiceStub(grpc.insecure_channel(cluster.meta_addr))
+    k = chain(1, 900)[0]
+    r = stub.PutStart(meta_pb2.PutStartRequest(keys=k, sizes=pack([1000], U64)), timeout=10)
+    os.kill(d.p.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(grpc.RpcError) as gave_up:
+            stub.PutCommit(meta_pb2.PutCommitRequest(put_id=r.put_id, checksums=pack([1], U64)), timeout=1.0)
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        os.kill(d.p.pid, signal.SIGCONT)
+
+    def put_again() -> list[int]:
+        again = stub.PutStart(meta_pb2.PutStartRequest(keys=k, sizes=pack([1000], U64)), timeout=10)
+        if again.put_id and len(again.placements.rows):
+            stub.PutAbort(meta_pb2.PutAbortRequest(put_id=again.put_id), timeout=10)
+        return unpack(again.status, U8, "status")
+
+    # Ended when the daemon answered (committed, or refused and dropped): the key is stored
+    # (SKIP_EXISTS) or free (ALLOCATED), not "being written" (SKIP_INFLIGHT) for good.
+    wait_until(lambda: put_again() in ([0], [1]), timeout=20)
+    assert stub.Stats(meta_pb2.StatsRequest(), timeout=10).pending_puts == 0

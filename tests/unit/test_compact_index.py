@@ -473,3 +473,14 @@ def test_a_drained_daemon_leaves_now_and_its_leases_are_followed(make) -> None: 
     assert ix.drain_daemon("d1") == (0, 0, 0.0)
     assert ix.counters["daemons_drained"] == 1
     ix.check_integrity()
+
+
+@pytest.mark.parametrize("make", [Index, CompactIndex], ids=["object", "compact"])
+def test_commit_outcomes_for_blocks_not_of_the_put_change_nothing(make) -> None:  # noqa: ANN001
+    ix = make(IndexLimits(cache_policy="lru"), FakeClock())
+    ix.register_daemon(spec("d1", 8), {})
+    p = ix.put_start(key(1) + key(2), [BLK, BLK])
+    pc = ix.put_commit_begin(p.put_id, [1, 2])
+    assert ix.put_commit_end(pc, {5: (2, 0), -1: (2, 0)}) == (2, [0, 0])
+    assert ix.lookup(key(1) + key(2))[0] == 2
+    ix.check_integrity()

@@ -1,0 +1,257 @@
+"""Demotion in the compact index (kvstore.meta.compact_tiers): least recently used blocks go from a
+daemon's DRAM above its high watermark to its SSD, the row following the block; a move that
+fails, or whose block was removed, re-put, pinned or leased meanwhile, or whose daemon left,
+leaves every extent accounted for and every answer right. Random operation sequences check the
+accounting at every step and that every location handed out holds the block's own checksum."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore.extent import ALIGN, HEADER_SIZE, SSD_ALIGN
+from kvstore.meta.compact import CompactIndex
+from kvstore.meta.index import DaemonSpec, IndexLimits, SegmentSpec, Tier
+from tests.unit.test_index import FakeClock
+
+BLK = ALIGN - HEADER_SIZE
+
+
+def key(i: int) -> bytes:
+    return random.Random(i).getrandbits(128).to_bytes(16, "little")
+
+
+def csum(k: bytes) -> int:
+    return int.from_bytes(k[8:], "little") | 1
+
+
+def tiered(dram_slots: int = 8, ssd_slots: int = 16, high: float = 0.5, low: float = 0.25):  # noqa: ANN201
+    clock = FakeClock()
+    ix = CompactIndex(IndexLimits(cache_policy="lru", dram_high_watermark=high, dram_low_watermark=low), clock)
+    segs = (
+        SegmentSpec(1, Tier.DRAM, dram_slots * ALIGN, "/dev/shm/d1"),
+        SegmentSpec(2, Tier.SSD, ssd_slots * SSD_ALIGN, "/data/d1"),
+    )
+    assert ix.register_daemon(DaemonSpec("d1", "h1", "d1:data", "d1:ctl", segs), {}) == 0
+    return ix, clock
+
+
+def put(ix: CompactIndex, *ids: int) -> None:
+    keys = [key(i) for i in ids]
+    p = ix.put_start(b"".join(keys), [BLK] * len(keys))
+    assert ix.put_commit(p.put_id, [csum(k) for k in keys]) == len(keys)
+
+
+def tiers_of(ix: CompactIndex, *ids: int) -> list[int]:
+    return list(ix.tiers(b"".join(key(i) for i in ids))[0])
+
+
+def dram_ssd(ix: CompactIndex):  # noqa: ANN201
+    d = ix.daemons["d1"]
+    return d.tier(Tier.DRAM), d.tier(Tier.SSD)
+
+
+def test_dram_above_its_high_watermark_sends_its_least_recent_blocks_to_ssd() -> None:
+    ix, _ = tiered()
+    put(ix, 1, 2)
+    put(ix, 3, 4)
+    put(ix, 5)
+    dram, ssd = dram_ssd(ix)
+    plans = ix.plan_moves()
+    moves = plans["d1"]
+    # 5 of 8 DRAM extents used, above half: down to a quarter, the least recent first (a chain's
+    # tail before its head).
+    assert [m.src.key for m in moves] == [key(2), key(1), key(4)]
+    assert all(m.dst.segment is ssd and m.src.segment is dram for m in moves)
+    assert ix.plan_moves() == {"d1": []} or ix.plan_moves() == {}  # nothing planned twice
+    ix.check_integrity()
+    for m in moves:
+        ix.finish_move(m.move_id, True)
+    ix.check_integrity()
+    assert tiers_of(ix, 1, 2, 3, 4, 5) == [2, 2, 1, 2, 1]  # bit 0: DRAM, bit 1: SSD
+    assert dram.alloc.used == 2 * ALIGN and ssd.blocks == 3
+    n, _, rows = ix.lookup(b"".join(key(i) for i in (1, 2)), with_locations=True)
+    assert n == 2 and [x.checksum for x in ix.locations(rows)] == [csum(key(1)), csum(key(2))]
+    dead = ix.take_tombstones()["d1"]
+    assert sorted(t.key for t in dead) == sorted([key(1), key(2), key(4)]) and {t.segment_id for t in dead} == {1}
+    assert ix.counters["demoted"] == 3
+
+
+def test_blocks_read_from_ssd_come_back_to_dram_without_their_ssd_copy() -> None:
+    ix, _ = tiered(dram_slots=8, high=0.5, low=0.0)
+    put(ix, 1, 2, 3, 4, 5)
+    for m in ix.plan_moves()["d1"]:  # all of DRAM to SSD
+        ix.finish_move(m.move_id, True)
+    assert tiers_of(ix, 1, 2, 3, 4, 5) == [2] * 5
+    ix.take_tombstones()
+    lease = ix.acquire(b"".join(key(i) for i in (1, 2, 3)))
+    ix.release(lease.lease_id)
+    dram, ssd = dram_ssd(ix)
+    moves = ix.plan_moves()["d1"]
+    # Into DRAM up to halfway between the high watermark and full (6 of 8 extents): all three.
+    assert [(m.src.key, m.demote) for m in moves] == [(key(i), False) for i in (1, 2, 3)]
+    assert all(m.src.segment is ssd and m.dst.segment is dram for m in moves)
+    assert ix.plan_moves() == {}  # not planned twice
+    for m in moves:
+        ix.finish_move(m.move_id, True)
+    ix.check_integrity()
+    assert tiers_of(ix, 1, 2, 3, 4, 5) == [1, 1, 1, 2, 2] and ix.counters["promoted"] == 3
+    assert ssd.blocks == 2 and ssd.alloc.used == 2 * SSD_ALIGN
+    assert {(t.segment_id, t.key) for t in ix.take_tombstones()["d1"]} == {(2, key(i)) for i in (1, 2, 3)}
+    n, _, rows = ix.lookup(b"".join(key(i) for i in (1, 2, 3, 4, 5)), with_locations=True)
+    assert n == 5 and [x.checksum for x in ix.locations(rows)] == [csum(key(i)) for i in (1, 2, 3, 4, 5)]
+
+
+def test_a_failed_move_leaves_the_block_in_dram_and_the_ssd_copy_is_forgotten() -> None:
+    ix, _ = tiered()
+    put(ix, 1, 2, 3, 4, 5)
+    moves = ix.plan_moves()["d1"]
+    ix.finish_move(moves[0].move_id, False)
+    ix.check_integrity()
+    assert tiers_of(ix, 5)[0] == 1 and ix.counters["moves_failed"] == 1
+    dead = ix.take_tombstones()["d1"]
+    assert [(t.segment_id, t.key, t.gen) for t in dead] == [(2, moves[0].dst.key, moves[0].dst.gen)]
+    for m in moves[1:]:
+        ix.finish_move(m.move_id, True)
+    ix.check_integrity()
+
+
+def test_a_block_removed_or_re_put_while_it_moves_is_not_brought_back() -> None:
+    ix, _ = tiered()
+    put(ix, 1, 2, 3, 4, 5)
+    moves = ix.plan_moves()["d1"]
+    gone = moves[0].src.key
+    assert ix.remove(gone) == 1
+    ix.check_integrity()
+    p = ix.put_start(gone, [BLK])  # put again meanwhile: a new block under the same key
+    assert ix.put_commit(p.put_id, [7]) == 1
+    for m in moves:
+        ix.finish_move(m.move_id, True)
+    ix.check_integrity()
+    n, _, rows = ix.lookup(gone, with_locations=True)
+    assert n == 1 and ix.locations(rows)[0].checksum == 7 and ix.locations(rows)[0].segment.spec.tier == Tier.DRAM
+    assert ix.counters["demoted"] == len(moves) - 1 and ix.counters["moves_failed"] == 1
+
+
+def test_a_block_read_while_it_moves_keeps_its_dram_copy_until_the_reads_can_have_ended() -> None:
+    ix, clock = tiered()
+    put(ix, 1, 2, 3, 4, 5)
+    moves = ix.plan_moves()["d1"]
+    m = moves[0]
+    lease = ix.acquire(b"".join(key(i) for i in (1, 2, 3, 4, 5)), ttl_s=5.0)
+    assert ix.locations(lease.locations)[4].offset == m.src.offset  # the reader reads the DRAM copy
+    for mv in moves:
+        ix.finish_move(mv.move_id, True)
+    ix.check_integrity()
+    dram, _ = dram_ssd(ix)
+    assert dram.quarantined >= m.src.size  # the DRAM copies under the lease are held back
+    before = dram.alloc.used
+    ix.release(lease.lease_id)
+    clock.advance(6.0)
+    ix.heartbeat("d1")
+    ix.expire()
+    ix.check_integrity()
+    assert dram.quarantined == 0 and dram.alloc.used < before
+
+
+@pytest.mark.parametrize("leaving", ["lost", "drained", "re-registered"])
+def test_moves_of_a_daemon_that_leaves_end_unfinished(leaving: str) -> None:
+    ix, clock = tiered()
+    put(ix, 1, 2, 3, 4, 5)
+    moves = ix.plan_moves()["d1"]
+    spec = ix.daemons["d1"].spec
+    if leaving == "lost":
+        clock.advance(ix.limits.daemon_ttl_s + 1)
+        assert ix.expire()["daemons"] == 1
+    elif leaving == "drained":
+        ix.drain_daemon("d1")
+    else:
+        ix.register_daemon(spec, {})
+    assert not ix.moves and ix.counters["moves_failed"] == len(moves)
+    for m in moves:
+        ix.finish_move(m.move_id, True)  # the daemon's late answer changes nothing
+    ix.check_integrity()
+    assert ix.lookup(key(1))[0] == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_operations_with_moves_keep_the_accounting_and_every_answer_right(seed: int) -> None:
+    rnd = random.Random(seed)
+    ix, clock = tiered(dram_slots=12, ssd_slots=10, high=0.5, low=0.0)
+    chains = [[1000 * c + i for i in range(rnd.randint(1, 6))] for c in range(8)]
+    sums: dict[bytes, int] = {}  # key -> checksum of its committed block
+    version = 0
+    moves, leases = [], []
+    for _ in range(1500):
+        op = rnd.random()
+        ids = rnd.choice(chains)[: rnd.randint(1, 6)]
+        keys = [key(i) for i in ids]
+        if op < 0.15:
+            try:
+                p = ix.put_start(b"".join(keys), [BLK] * len(keys))
+            except Exception:  # noqa: BLE001 - no space: a typed error, checked below
+                assert ix.counters["no_space_keys"] > 0
+                continue
+            version += 1
+            new = [k for k, s in zip(keys, p.status) if s == 0]
+            if not new:  # every key stored or being stored: nothing to commit
+                continue
+            got = [(k, version * 7919 + i) for i, k in enumerate(new)]
+            if rnd.random() < 0.3:
+                pc = ix.put_commit_begin(p.put_id, [c for _, c in got])
+                outcome = {i: (rnd.choice((0, 2)), 0) for i in range(len(got)) if rnd.random() < 0.3}
+                _, status = ix.put_commit_end(pc, outcome)
+                sums.update((k, c) for (k, c), st in zip(got, status) if st == 0)
+            else:
+                ix.put_commit(p.put_id, [c for _, c in got])
+                sums.update(got)
+        elif op < 0.27:
+            n, _, rows = ix.lookup(b"".join(keys), with_locations=True)
+            for k, loc in zip(keys, ix.locations(rows)):
+                assert loc.key == k and loc.checksum == sums[k], "a location with another block's checksum"
+        elif op < 0.42:
+            lease = ix.acquire(b"".join(keys), ttl_s=rnd.choice((1.0, 4.0)))
+            for k, loc in zip(keys, ix.locations(lease.locations)):
+                assert loc.checksum == sums[k]
+            if lease.lease_id:
+                leases.append(lease.lease_id)
+        elif op < 0.52 and leases:
+            lid = leases.pop(rnd.randrange(len(leases)))
+            if lid in ix.leases:
+                ix.release(lid, [0] if rnd.random() < 0.05 else [])
+        elif op < 0.58:
+            ix.remove(keys[-1])
+        elif op < 0.62:
+            ix.pin(b"".join(keys), rnd.random() < 0.5)
+        elif op < 0.78:
+            for ms in ix.plan_moves(max_bytes=rnd.choice((ALIGN, 4 * ALIGN, 64 * ALIGN))).values():
+                moves.extend(ms)
+        elif op < 0.93 and moves:
+            m = moves.pop(rnd.randrange(len(moves)))
+            ix.finish_move(m.move_id, rnd.random() < 0.85, rnd.choice((0, 0, SSD_ALIGN)))
+        elif op < 0.97:
+            clock.advance(rnd.choice((0.5, 2.0)))
+            ix.heartbeat("d1")
+            ix.expire()
+        else:
+            ix.take_tombstones()
+        ix.check_integrity()
+    assert ix.counters["demoted"] > 0 and ix.counters["promoted"] > 0 and ix.counters["moves_failed"] > 0
+
+
+def test_a_damaged_copy_reported_after_its_block_moved_does_not_drop_the_new_copy() -> None:
+    ix, _ = tiered()
+    put(ix, 1, 2, 3, 4, 5)
+    moves = ix.plan_moves()["d1"]
+    lease = ix.acquire(b"".join(key(i) for i in (1, 2, 3, 4, 5)))
+    for m in moves:
+        ix.finish_move(m.move_id, True)
+    moved = [key(i) for i in (1, 2, 3, 4, 5)].index(moves[0].src.key)
+    ix.release(lease.lease_id, [moved])  # the DRAM copy it read was damaged: that copy is gone
+    ix.check_integrity()
+    assert ix.counters["corrupt_reported"] == 0 and ix.lookup(moves[0].src.key)[0] == 1
+    lease = ix.acquire(b"".join(key(i) for i in (1, 2, 3, 4, 5)))
+    ix.release(lease.lease_id, [moved])  # the SSD copy, read and damaged: dropped
+    assert ix.counters["corrupt_reported"] == 1 and ix.lookup(moves[0].src.key)[0] == 0
+    ix.check_integrity()
