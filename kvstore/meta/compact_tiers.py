@@ -10,8 +10,9 @@ again, nor reused by another block (a row is freed only when its last lease ends
 daemon copies; the SSD extent is reserved in the move, not in the table. When the copy is
 done and the row still holds the block that was copied (same generation, still committed),
 the row takes the new location and the old copy leaves: a tombstone tells the daemon, and its
-extent goes back at once, or, if readers leased the block meanwhile (they read the old copy),
-once the last of their leases can have ended. Otherwise the new copy leaves instead. A promoted
+extent goes back at once, or, if readers leased the block meanwhile, once the last of their
+leases can have ended (the tombstone goes out at once, as the object index's do: a reader of the
+old copy finds it gone and asks again, it never finds another block there). Otherwise the new copy leaves instead. A promoted
 block keeps no SSD copy (the object index keeps one, so that demoting it again costs no copy).
 """
 
@@ -127,6 +128,8 @@ class CompactTierMoves:
                 break
             length = int(t.length[row])
             size = extent_size(length, ssd.align)
+            if size > ssd.alloc.capacity:
+                break  # no eviction on SSD makes room for it
             off = ssd.alloc.alloc(size)
             while off is None:
                 victim = t.oldest(ssd.ref)
@@ -167,7 +170,7 @@ class CompactTierMoves:
             self._tombstone_item(
                 src.segment.daemon.spec.daemon_id, Tombstone(src.segment.spec.segment_id, src.key, src.offset, src.gen)
             )
-            if t.leases[row] > 1:  # read leases taken meanwhile read the DRAM copy: it stays until they end
+            if t.leases[row] > 1:  # leased meanwhile: the old extent is not reused while those leases last
                 until = max((x.deadline for x in self.leases.values() if (x.rows == row).any()), default=0.0)
                 self._quarantine.hold(src.segment, src.offset, src.size, until)
             else:

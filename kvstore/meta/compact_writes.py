@@ -8,7 +8,7 @@ visible. A mixin over the compact index's state (``table``, ``segments``, ``daem
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,25 +30,6 @@ class Put:
     keys: bytes  # the whole request, packed, for touching the chain on commit
     rows: np.ndarray  # the allocated blocks, in placement order
     gens: np.ndarray  # their generations: a row reused since (its daemon was lost) is not theirs
-
-
-class _Placed(Sequence):
-    """A pending commit's blocks as the daemons' commits read them: per placement index, the
-    block's :class:`~kvstore.meta.compact.Location` (spelled out when asked for) or None (not
-    to be committed). ``mask`` says which are there. Read them before anything else can change
-    the index (the daemon link does, at once): a row whose daemon is lost is freed and may
-    then hold another block."""
-
-    def __init__(self, index, rows: np.ndarray, mask: np.ndarray) -> None:  # noqa: ANN001 - CompactIndex
-        self.index, self.rows, self.mask = index, rows, mask
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i):  # noqa: ANN001, ANN204
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return self.index.locations([int(self.rows[i])])[0] if self.mask[i] else None
 
 
 class CompactWrites:
@@ -170,7 +151,7 @@ class CompactWrites:
         """First half of a commit (see ``Index.put_commit_begin``): validates, takes the put out
         of the reservation table and releases the blocks the writer did not write (their
         extents held back until the put's write tickets lapse). The pending commit's
-        ``replicas`` spell out, as they are asked for, the blocks the daemons are to commit."""
+        ``replicas`` are the locations of the blocks the daemons are to commit (None: not to be)."""
         put = self.puts.get(put_id)
         if put is not None and put.deadline < self.clock.now():
             self.put_abort(put_id)
@@ -188,7 +169,12 @@ class CompactWrites:
         ok = mine & wrote
         t.flags[put.rows[ok]] |= WRITTEN  # from here on the daemon may hold it committed
         status = np.where(ok, CommitStatus.OK, np.where(mine, CommitStatus.NOT_WRITTEN, CommitStatus.UNAVAILABLE))
-        return PendingCommit(put, _Placed(self, put.rows, ok), status.tolist(), list(checksums))
+        # Spelled out now, not when the daemons are asked: a row whose daemon is lost meanwhile
+        # is freed and may then hold another put's block.
+        places: list = [None] * len(put.rows)
+        for i, loc in zip(np.flatnonzero(ok).tolist(), self.locations(put.rows[ok])):
+            places[i] = loc
+        return PendingCommit(put, places, status.tolist(), list(checksums))
 
     def put_commit_end(
         self, pc: PendingCommit, outcome: dict[int, tuple[int, int]] | None = None
@@ -199,7 +185,7 @@ class CompactWrites:
         put: Put = pc.put
         t = self.table
         status = np.array(pc.status, dtype=np.int64)
-        asked = pc.replicas.mask
+        asked = np.array([r is not None for r in pc.replicas], dtype=bool)
         # Still the put's: a block of a daemon lost meanwhile was dropped (its row maybe reused).
         good = asked & self._put_rows(put)
         status[asked & ~good] = CommitStatus.UNAVAILABLE

@@ -269,6 +269,11 @@ class DaemonLink:
         await asyncio.gather(*(self._run_moves(did, moves) for did, moves in plans.items()))
 
     async def _run_moves(self, daemon_id: str, moves: list[Move]) -> None:
+        # Only the moves the index still has: a daemon lost or registered again since they were
+        # planned had them ended, and their targets may hold new blocks by now.
+        moves = [mv for mv in moves if mv.move_id in self.index.moves]
+        if not moves:
+            return
         stub = self._stub(daemon_id)
         if stub is None:
             for mv in moves:

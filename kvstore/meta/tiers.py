@@ -98,6 +98,8 @@ class TierMoves:
                 self._drop_replica(rep)
                 continue
             size = extent_size(rep.length, ssd.align)
+            if size > ssd.alloc.capacity:
+                continue  # no eviction on SSD makes room for it
             off = ssd.alloc.alloc(size)
             while off is None:
                 victim = self._victim(ssd)  # e has no SSD replica: it cannot be its own victim

@@ -255,3 +255,16 @@ def test_a_damaged_copy_reported_after_its_block_moved_does_not_drop_the_new_cop
     ix.release(lease.lease_id, [moved])  # the SSD copy, read and damaged: dropped
     assert ix.counters["corrupt_reported"] == 1 and ix.lookup(moves[0].src.key)[0] == 0
     ix.check_integrity()
+
+
+def test_a_block_larger_than_the_ssd_is_not_demoted_and_evicts_nothing_there() -> None:
+    ix, _ = tiered(dram_slots=33, ssd_slots=1, high=0.1, low=0.0)
+    big = 2 * SSD_ALIGN - HEADER_SIZE  # an 8 KiB extent: more than the whole 4 KiB SSD
+    p = ix.put_start(key(1), [big])
+    ix.put_commit(p.put_id, [1])
+    p = ix.put_start(key(2), [300])  # no room left in DRAM: on SSD
+    ix.put_commit(p.put_id, [2])
+    assert tiers_of(ix, 1, 2) == [1, 2]
+    assert ix.plan_moves() == {}
+    assert tiers_of(ix, 1, 2) == [1, 2] and ix.counters["evictions"] == 0
+    ix.check_integrity()
