@@ -115,12 +115,7 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Compa
         self.clock = clock or Clock()
         self.table = BlockTable(rows)
         self.policy = TablePolicy()
-        self.engine_tier = EngineTier(
-            self.limits.max_engines,
-            self.limits.max_engine_blocks,
-            self.limits.max_engine_ttl_s,
-            self.limits.max_engines_per_tenant,
-        )
+        self.engine_tier = EngineTier.for_limits(self.limits)
         self.moves: dict[int, CompactMove] = {}  # tier moves in flight (kvstore.meta.compact_tiers)
         # Rows read from SSD, to be promoted to DRAM in the background: row -> its generation
         # then (a row dropped and reused since holds another generation).

@@ -63,10 +63,7 @@ class CompactReads:
             self.segments[int(ref)].leased += int(c)
         t.leases[uniq] += times.astype(np.uint32)
         self.counters["hit_bytes"] += int(t.length[run].sum(dtype=np.uint64))
-        for ref in np.unique(t.seg[run]).tolist():
-            if self.segments[ref].spec.tier != Tier.DRAM:
-                self.counters["ssd_hit_keys"] += int((t.seg[run] == ref).sum())
-        self._queue_promotions(run)
+        self.counters["ssd_hit_keys"] += self._queue_promotions(run)
         lease_id = next(self._lease_ids)
         deadline = self.clock.now() + ttl
         self.leases[lease_id] = Lease(lease_id, deadline, run, t.gen[run])

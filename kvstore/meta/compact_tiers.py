@@ -60,14 +60,19 @@ class CompactTierMoves:
         self._plan_promotions(plans, max_bytes, skip)
         return plans
 
-    def _queue_promotions(self, rows: np.ndarray) -> None:
-        """Blocks just read (or touched) from SSD, to be promoted to DRAM in the background."""
+    def _queue_promotions(self, rows: np.ndarray) -> int:
+        """Blocks just read (or touched) from SSD, to be promoted to DRAM in the background;
+        returns how many of ``rows`` are on SSD."""
         t = self.table
         on = t.seg[rows]
+        n = 0
         for ref in np.unique(on).tolist():
             if self.segments[ref].spec.tier == Tier.SSD:
-                for row in rows[on == ref].tolist():
+                mine = rows[on == ref]
+                n += len(mine)
+                for row in mine.tolist():
                     self.promote_queue[row] = int(t.gen[row])
+        return n
 
     def _plan_promotions(self, plans: dict[str, list[CompactMove]], max_bytes: int, skip: set[str]) -> None:
         """Blocks read from SSD come back to DRAM, oldest read first, into the room above the
@@ -130,15 +135,7 @@ class CompactTierMoves:
             size = extent_size(length, ssd.align)
             if size > ssd.alloc.capacity:
                 break  # no eviction on SSD makes room for it
-            off = ssd.alloc.alloc(size)
-            while off is None:
-                victim = t.oldest(ssd.ref)
-                if victim < 0:
-                    break
-                self.counters["evictions"] += 1
-                self.counters["evicted_bytes"] += int(t.length[victim])
-                self._drop(victim)
-                off = ssd.alloc.alloc(size)
+            off = self._room_in(ssd, size)
             if off is None:
                 break  # SSD full of leased, pinned or in-flight blocks
             src = self.locations([row])[0]
@@ -163,10 +160,7 @@ class CompactTierMoves:
         )
         if ok and same and self._current(dst.segment):
             seg = dst.segment
-            size = dst.size
-            if 0 < stored_size < size and stored_size % seg.align == 0:
-                seg.alloc.release(dst.offset + stored_size, size - stored_size)
-                size = stored_size
+            size = seg.trim(dst.offset, dst.size, stored_size)
             self._tombstone_item(
                 src.segment.daemon.spec.daemon_id, Tombstone(src.segment.spec.segment_id, src.key, src.offset, src.gen)
             )

@@ -125,20 +125,27 @@ class CompactWrites:
             off = seg.alloc.alloc(extent_size(length, seg.align))
             if off is not None:
                 return seg, off
-        t = self.table
         for seg in segments:
-            size = extent_size(length, seg.align)
-            while True:
-                victim = t.oldest(seg.ref)
-                if victim < 0:
-                    break
-                self.counters["evictions"] += 1
-                self.counters["evicted_bytes"] += int(t.length[victim])
-                self._drop(victim)
-                off = seg.alloc.alloc(size)
-                if off is not None:
-                    return seg, off
+            off = self._room_in(seg, extent_size(length, seg.align))
+            if off is not None:
+                return seg, off
         return None
+
+    def _room_in(self, seg: Segment, size: int) -> int | None:
+        """An extent of ``size`` bytes in ``seg``, its least recently used blocks evicted until
+        one is free; None if no eviction there makes room (the rest is leased, pinned or being
+        written)."""
+        t = self.table
+        off = seg.alloc.alloc(size)
+        while off is None:
+            victim = t.oldest(seg.ref)
+            if victim < 0:
+                return None
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += int(t.length[victim])
+            self._drop(victim)
+            off = seg.alloc.alloc(size)
+        return off
 
     def _put_rows(self, put: Put) -> np.ndarray:
         """Which of the put's rows are still its pending blocks (a lost daemon's were dropped)."""
@@ -200,11 +207,7 @@ class CompactWrites:
                 self.counters["commit_failed_keys"] += 1
                 self._drop(row, hold_until=until)
                 continue
-            seg = self.segments[int(t.seg[row])]
-            size = int(t.size[row])
-            if 0 < stored < size and stored % seg.align == 0:  # stored compressed: the rest goes back
-                seg.alloc.release(int(t.off[row]) + stored, size - stored)
-                t.size[row] = stored
+            t.size[row] = self.segments[int(t.seg[row])].trim(int(t.off[row]), int(t.size[row]), stored)
         rows = put.rows[good]
         t.csum[rows] = np.array(pc.checksums, dtype=np.uint64)[good]
         t.set_ready(rows)

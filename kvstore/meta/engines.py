@@ -52,6 +52,11 @@ class EngineTier:
         self.holders: dict[bytes, set[str]] = {}
         self.counters = {"engine_reports": 0, "engine_keys_dropped": 0, "engines_expired": 0, "engines_left": 0}
 
+    @classmethod
+    def for_limits(cls, limits) -> EngineTier:  # noqa: ANN001 - records.IndexLimits
+        """The device tier an index with these limits keeps."""
+        return cls(limits.max_engines, limits.max_engine_blocks, limits.max_engine_ttl_s, limits.max_engines_per_tenant)
+
     def __len__(self) -> int:
         return len(self.engines)
 

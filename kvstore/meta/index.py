@@ -100,12 +100,7 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
         self.entries: dict[bytes, Entry] = {}
         self.policy = make_policy(self.limits.cache_policy, self.entries)
         # Blocks held in engines' own caches (the device tier): known, not readable here.
-        self.engine_tier = EngineTier(
-            self.limits.max_engines,
-            self.limits.max_engine_blocks,
-            self.limits.max_engine_ttl_s,
-            self.limits.max_engines_per_tenant,
-        )
+        self.engine_tier = EngineTier.for_limits(self.limits)
         self.daemons: dict[str, Daemon] = {}
         self.puts: dict[int, Put] = {}
         self.leases: dict[int, Lease] = {}

@@ -206,6 +206,14 @@ class Segment:
     def align(self) -> int:
         return self.alloc.align
 
+    def trim(self, offset: int, size: int, stored: int) -> int:
+        """An extent of ``size`` bytes at ``offset`` whose daemon stored its block in ``stored``
+        bytes (compressed; 0: as it was) gives back the rest; returns the extent's size now."""
+        if 0 < stored < size and stored % self.align == 0:
+            self.alloc.release(offset + stored, size - stored)
+            return stored
+        return size
+
 
 @dataclass(slots=True)
 class Daemon:

@@ -135,9 +135,7 @@ class TierMoves:
         e, src, dst = mv.src.entry, mv.src, mv.dst
         e.moving = False
         if ok and src.live and dst.live:
-            if 0 < stored_size < dst.size and stored_size % dst.segment.align == 0:
-                dst.segment.alloc.release(dst.offset + stored_size, dst.size - stored_size)
-                dst.size = stored_size
+            dst.size = dst.segment.trim(dst.offset, dst.size, stored_size)
             self._make_ready(dst, src.checksum)
             kind = "demoted" if mv.demote else "promoted"
             self.counters[kind] += 1

@@ -238,9 +238,7 @@ class Writes:
                 self._drop_replica(rep, hold_until=pc.put.deadline + self.limits.write_ticket_grace_s)
                 continue
             e = rep.entry
-            if 0 < stored < rep.size and stored % rep.segment.align == 0:
-                rep.segment.alloc.release(rep.offset + stored, rep.size - stored)
-                rep.size = stored
+            rep.size = rep.segment.trim(rep.offset, rep.size, stored)
             e.complete = True
             self._make_ready(rep, pc.checksums[i])
             committed += 1
