@@ -113,6 +113,8 @@ class DaemonLink:
         self._invalidate_failing: set[str] = set()
         # Tombstones sent with heartbeats, per daemon: (batch id, items), until acknowledged.
         self._inflight: dict[str, tuple[int, list[Tombstone]]] = {}
+        # Tombstones a flush has taken, per daemon: batch id -> items, until its call ends.
+        self._flushing: dict[str, dict[int, list[Tombstone]]] = {}
         self._batches = itertools.count(1)
         self._local: dict[str, _LocalDaemon] = {}
 
@@ -210,9 +212,22 @@ class DaemonLink:
         taken = self.index.take_tombstones(ids)
         if not taken:
             return set()
+        # Known as in flight meanwhile: a daemon registering again before the call ends must
+        # have its inventory filtered by them too (requeue), or it would bring back blocks that
+        # the late tombstones then drop under the index's feet.
+        batches = {}
+        for did, items in taken.items():
+            batches[did] = b = next(self._batches)
+            self._flushing.setdefault(did, {})[b] = items
         results = await asyncio.gather(*(self._invalidate(did, items) for did, items in taken.items()))
         failed = set()
         for (did, items), ok in zip(taken.items(), results):
+            mine = self._flushing.get(did, {})
+            if mine.pop(batches[did], None) is None:
+                failed.add(did)  # requeued meanwhile: back with the index, to go out again
+                continue
+            if not mine:
+                self._flushing.pop(did, None)
             if not ok:
                 failed.add(did)
                 self.index.return_tombstones(did, items)
@@ -255,11 +270,15 @@ class DaemonLink:
         return cur
 
     def requeue(self, daemon_id: str) -> None:
-        """Puts a daemon's unacknowledged heartbeat batch back with its pending tombstones (it is
-        registering again: its inventory must be filtered by them, and they go out again)."""
+        """Puts a daemon's tombstones in flight (its unacknowledged heartbeat batch, and what
+        flushes are delivering) back with its pending ones: it is registering again, so its
+        inventory must be filtered by them, and they go out again (applying one twice is
+        harmless: a daemon drops a block only if it is still that generation)."""
         cur = self._inflight.pop(daemon_id, None)
         if cur is not None:
             self.index.return_tombstones(daemon_id, cur[1])
+        for items in self._flushing.pop(daemon_id, {}).values():
+            self.index.return_tombstones(daemon_id, items)
 
     # ---- tier moves -------------------------------------------------------------------------
 

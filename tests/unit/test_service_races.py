@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from kvstore.errors import Unavailable
 from kvstore.extent import ALIGN, HEADER_SIZE, SSD_ALIGN
 from kvstore.keys import unpack_keys
 from kvstore.meta.compact import CompactIndex
 from kvstore.meta.daemons import DaemonLink
-from kvstore.meta.index import DaemonSpec, IndexLimits, InventoryItem, SegmentSpec, Tier
+from kvstore.meta.index import DaemonSpec, Index, IndexLimits, InventoryItem, SegmentSpec, Tier
 from kvstore.meta.servicer import MetaServicer
-from kvstore.v1 import daemon_pb2, meta_pb2
+from kvstore.v1 import common_pb2, daemon_pb2, meta_pb2
 from kvstore.wire import U8, U64, pack, unpack
 
 BLK = ALIGN - HEADER_SIZE
@@ -124,3 +127,66 @@ def test_moves_ended_by_a_new_registration_are_not_sent_to_it() -> None:
     asyncio.run(link.run_moves(plans))
     assert not [x for x in log if x[0] == "move"]  # nothing of the old batch reaches the daemon
     ix.check_integrity()
+
+
+class Unreachable(Control):
+    """A daemon whose Invalidate call hangs until ``gone`` is set, then fails (it was killed)."""
+
+    def __init__(self, name: str, log: list, gone: asyncio.Event) -> None:
+        super().__init__(name, log)
+        self.gone = gone
+
+    async def Invalidate(self, req, ctx):  # noqa: ANN001, ANN201, N802
+        self.log.append(("invalidate", self.name, unpack_keys(req.invalidations[0].keys)))
+        await self.gone.wait()
+        raise Unavailable("daemon killed")
+
+
+@pytest.mark.parametrize("kind", ["object", "compact"])
+def test_a_daemon_registering_again_while_its_tombstones_are_in_flight_does_not_bring_their_blocks_back(
+    kind: str,
+) -> None:
+    # The daemon was killed before the tombstone of a dropped block reached it; a flush is still
+    # delivering it when the restarted daemon registers with that block in its inventory. The
+    # block stays dropped: adopted, it would be dropped by the daemon once the tombstone arrives
+    # while the index goes on handing it out (a miss reported as damage, a prefix cut short).
+    async def run() -> None:
+        limits = IndexLimits(cache_policy="lru")
+        ix = CompactIndex(limits) if kind == "compact" else Index(limits)
+        spec = dram("D", "h1", 8)
+        ix.register_daemon(spec, {})
+        p = ix.put_start(K[0] + K[1], [BLK, BLK])
+        ix.put_commit(p.put_id, [5, 6])
+        held = ix.locations(ix.lookup(K[0] + K[1], with_locations=True)[2])
+        gone, log = asyncio.Event(), []
+        link = DaemonLink(ix, 1.0)
+        daemon = Local("D", log)
+        daemon.control = Unreachable("D", log, gone)
+        link.attach_local("D", daemon)
+        sv = MetaServicer(ix, link, tickets=False)
+        assert ix.remove(K[0]) == 1  # its tombstone is owed to D
+        flush = asyncio.ensure_future(link.flush())
+        await asyncio.sleep(0.01)
+        assert log == [("invalidate", "D", [K[0]])] and not ix.tombstones.get("D")  # taken, in flight
+        inv = common_pb2.Inventory(
+            segment_id=1,
+            keys=b"".join(x.key for x in held),
+            offset=pack([x.offset for x in held], U64),
+            length=pack([x.length for x in held], U64),
+            checksum=pack([x.checksum for x in held], U64),
+            gen=pack([x.gen for x in held], U64),
+        )
+        info = common_pb2.DaemonInfo(
+            daemon_id="D", host_id="h1", data_addr="D:d", control_addr="D:c",
+            segments=[common_pb2.Segment(segment_id=1, tier=1, capacity_bytes=8 * ALIGN, shm_path="/dev/shm/x")],
+        )  # fmt: skip
+        r = await sv.RegisterDaemon(meta_pb2.RegisterDaemonRequest(daemon=info, inventory=[inv]), None)
+        assert r.rejected == 1
+        gone.set()
+        await flush
+        # K[0] stays dropped (its tombstone goes out again, once the daemon answers); K[1] is back.
+        assert ix.lookup(K[0] + K[1], per_key=True)[1] == [False, True]
+        assert [(t.key, t.gen) for t in ix.tombstones["D"]] == [(K[0], held[0].gen)]
+        ix.check_integrity()
+
+    asyncio.run(run())
