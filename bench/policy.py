@@ -55,6 +55,7 @@ from bench.report import machine, update_section  # noqa: E402
 from bench.workloads import Workload, make  # noqa: E402
 from kvstore.errors import ResourceExhausted  # noqa: E402
 from kvstore.extent import extent_size  # noqa: E402
+from kvstore.meta.compact import CompactIndex  # noqa: E402
 from kvstore.meta.index import Clock, DaemonSpec, Index, IndexLimits, SegmentSpec, Tier  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -170,9 +171,14 @@ class _FrozenClock(Clock):
         return self.t
 
 
+_INDEX = ["object"]  # the index layout replayed (--index); set before the pool forks
+
+
 def make_index(capacity: int, block_bytes: int = BLOCK_BYTES, policy: str = "adaptive") -> Index:
-    """An index with one daemon whose one DRAM segment holds exactly ``capacity`` blocks."""
-    idx = Index(IndexLimits(cache_policy=policy), clock=_FrozenClock())
+    """An index with one daemon whose one DRAM segment holds exactly ``capacity`` blocks (the
+    object index, or the compact one with ``--index compact``: the same decisions)."""
+    kind = CompactIndex if _INDEX[0] == "compact" else Index
+    idx = kind(IndexLimits(cache_policy=policy), clock=_FrozenClock())
     seg = SegmentSpec(1, Tier.DRAM, capacity * extent_size(block_bytes))
     idx.register_daemon(DaemonSpec("bench-daemon", "bench-host", "", "", (seg,)), {})
     return idx
@@ -653,10 +659,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, action="append", help="only this capacity in blocks (repeatable)")
     ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: up to 2)")
     ap.add_argument("--suffix-put", action="store_true", help="also run kvstore with a suffix-only put")
-    ap.add_argument("--out", type=Path, default=RESULTS / "policy.json")
+    ap.add_argument(
+        "--index", choices=("object", "compact"), default="object",
+        help="the index layout kvstore runs on (compact: results go to policy_compact.json, RESULTS.md is left)",
+    )  # fmt: skip
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/policy.json")
     ap.add_argument("--no-report", action="store_true", help="do not rewrite bench/RESULTS.md")
     ns = ap.parse_args(argv)
+    _INDEX[0] = ns.index
+    if ns.out is None:
+        ns.out = RESULTS / ("policy.json" if ns.index == "object" else "policy_compact.json")
+    ns.no_report = ns.no_report or ns.index != "object"
     flags = ["--quick"] if ns.quick else []
+    flags += [f"--index {ns.index}"] if ns.index != "object" else []
     flags += [f"--workload {w}" for w in ns.workload or []] + [f"--capacity {c}" for c in ns.capacity or []]
     flags += ["--suffix-put"] if ns.suffix_put else []
     cmd = " ".join(["python bench/policy.py", *flags])
@@ -668,12 +683,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": date,
         "machine": machine(),
         "wall_s": round(time.perf_counter() - t0, 1),
+        "index": ns.index,
         **result,
     }
     result["notes"] = notes(result)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(result, indent=2) + "\n")
-    png = ns.out.with_name("policy_hit_rate.png")
+    png = ns.out.with_name(f"{ns.out.stem}_hit_rate.png")
     has_plot = plot(result, png)
     for name, w in result["workloads"].items():
         for row in w["rows"]:

@@ -44,9 +44,9 @@ class MetaConfig:
     # Eviction, demotion order and admission: "adaptive" (recency or frequency, whichever the
     # traffic rewards, see kvstore.meta.policy) or "lru" (recency only, every block stored).
     cache_policy: str = "adaptive"
-    # The index's layout: "object" (a Python object per block, every cache policy) or "compact"
-    # (columns, about 90 bytes per block, for pools of hundreds of millions of blocks: one replica
-    # per block, least recently used first, so it needs cache_policy "lru"; kvstore.meta.compact).
+    # The index's layout: "object" (a Python object per block) or "compact" (columns, about 100
+    # bytes per block, for pools of hundreds of millions of blocks: one replica per block;
+    # kvstore.meta.compact). Both take either cache policy, with the same decisions.
     index: str = "object"
     # The device tier (kvstore.meta.engines): an engine's reported holdings lapse this long after
     # its last report unless it names another time to live; at most this many engines.
@@ -353,11 +353,6 @@ def validate(cfg: Config) -> None:
             raise InvalidArgument(f"meta.{key}: must be a fraction in [0, 1], got {v}")
     one_of("meta", "cache_policy", POLICIES)
     one_of("meta", "index", INDEXES)
-    if m.index == "compact" and m.cache_policy != "lru":
-        raise InvalidArgument(
-            f"meta.index=compact evicts least recently used first, not by the {m.cache_policy!r} cache policy: "
-            "set meta.cache_policy=lru with it (or keep meta.index=object)"
-        )
     for key in ("tenant_max_leased_bytes", "tenant_max_pinned_bytes", "read_ticket_ttl_s"):
         positive("meta", key, allow_zero=True)
     if m.dram_low_watermark >= m.dram_high_watermark:

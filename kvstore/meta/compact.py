@@ -1,7 +1,7 @@
 """The compact index: the block life cycle of :class:`kvstore.meta.index.Index` over a columnar
 :class:`kvstore.meta.table.BlockTable`, for indexes of hundreds of millions of blocks.
 
-Same contract and same answers as the object index with ``cache_policy="lru"`` (the tests replay
+Same contract and same answers as the object index, with either cache policy (the tests replay
 random operation sequences on both): puts in two phases with chain-ordered placement and
 eviction, leading-run lookups, leases that pin a run against eviction and free a dropped
 block's extent when the last one ends, removal, pinning, touches, expiry, daemon registration
@@ -16,8 +16,9 @@ Where it differs, by design:
   (lookup, acquire, touch, commit) are vectorised over the batch.
 - A block has one replica. A daemon's DRAM above its high watermark demotes its least recently
   used blocks to its SSD and blocks read from SSD are promoted back (:mod:`.compact_tiers`: the
-  row moves with the block, and a promoted block keeps no SSD copy). The adaptive policy is not
-  part of it: a segment's least recently used block is its victim, on any tier.
+  row moves with the block, and a promoted block keeps no SSD copy). Eviction, admission and
+  demotion order are the cache policy's, as on the object index, its state in columns of the
+  table (:mod:`.compact_policy`); a DRAM victim is dropped, not demoted first.
 - Locations come back as rows of the table; :meth:`location_rows` packs them as the wire's
   location rows in one call, :meth:`locations` spells them out (as the service does for its
   answers).
@@ -44,6 +45,7 @@ import numpy as np
 from kvstore.errors import Internal, InvalidArgument
 from kvstore.meta.checks import Checks
 from kvstore.meta.compact_daemons import CompactMembership
+from kvstore.meta.compact_policy import TableAdaptive, TableLru
 from kvstore.meta.compact_reads import CompactReads, Lease
 from kvstore.meta.compact_tiers import CompactMove, CompactTierMoves
 from kvstore.meta.compact_writes import CompactWrites, Put
@@ -64,6 +66,7 @@ from kvstore.meta.table import LIVE, PINNED, READY, WRITTEN, BlockTable, words
 
 _ROWS = np.dtype([("ref", "<u4"), ("res", "<u4"), ("off", "<u8"), ("len", "<u8"), ("csum", "<u8"), ("gen", "<u8")])
 _NONE = np.empty(0, dtype=np.int64)
+TABLE_POLICIES = {"adaptive": TableAdaptive, "lru": TableLru}  # meta.cache_policy (kvstore.meta.compact_policy)
 
 
 class Location(NamedTuple):
@@ -86,35 +89,18 @@ class Location(NamedTuple):
         return ROW.pack(self.segment.ref, 0, self.offset, self.length, self.checksum, self.gen)
 
 
-class TablePolicy:
-    """The compact index's cache policy, as the service sees one (``policy``): the table's
-    least recently used block of a segment is its victim (:mod:`kvstore.meta.table`), and
-    recency is kept as the calls come, so there is no accounting to defer or drain."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        self.defer = False
-
-    def drain(self) -> None:
-        """Nothing is deferred."""
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-
 class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, CompactTierMoves, DeviceTier):
     """The index's block state in columns. See the module docstring for what it covers."""
 
     def __init__(self, limits: IndexLimits | None = None, clock: Clock | None = None, rows: int = 1024) -> None:
         self.limits = limits or IndexLimits()
-        if self.limits.cache_policy != "lru":
+        if self.limits.cache_policy not in TABLE_POLICIES:
             raise InvalidArgument(
-                f"the compact index evicts least recently used first, not {self.limits.cache_policy!r}"
+                f"unknown cache policy {self.limits.cache_policy!r} (one of {', '.join(TABLE_POLICIES)})"
             )
         self.clock = clock or Clock()
-        self.table = BlockTable(rows)
-        self.policy = TablePolicy()
+        self.table = BlockTable(rows, counts=self.limits.cache_policy == "adaptive")
+        self.policy = TABLE_POLICIES[self.limits.cache_policy](self.table)
         self.engine_tier = EngineTier.for_limits(self.limits)
         self.moves: dict[int, CompactMove] = {}  # tier moves in flight (kvstore.meta.compact_tiers)
         # Rows read from SSD, to be promoted to DRAM in the background: row -> its generation
@@ -203,6 +189,7 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Compa
         if not f & LIVE:
             return
         seg = self.segments[int(t.seg[row])]
+        self.policy.leaving(row)  # before the table changes (kvstore.meta.policy: defer)
         t.unlink(row)
         t.flags[row] &= 0xFF ^ PINNED
         seg.blocks -= 1
@@ -297,6 +284,7 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Compa
         """Asserts the accounting, as ``Index.check_integrity`` does for the object index."""
         t = self.table
         t.check_integrity()
+        self.policy.check_integrity()
         n = t.n_rows
         live = (t.flags[:n] & LIVE) != 0
         held = (~live) & (t.leases[:n] > 0)

@@ -29,7 +29,9 @@ class CompactMembership(DaemonLife):
         t = self.table
         if t.find(words(it.key))[0] >= 0 or t.room() < 1:
             return False
+        freq = self.policy.entering(it.key)
         row = t.add(words(it.key))
+        self.policy.entered(row, [freq])
         t.seg[row], t.off[row], t.size[row], t.length[row] = seg.ref, it.offset, size, it.length
         t.csum[row], t.gen[row] = it.checksum, it.gen
         t.flags[row] |= WRITTEN

@@ -127,9 +127,8 @@ class CompactTierMoves:
         t = self.table
         moves: list[CompactMove] = []
         planned = 0
-        while planned < limit:
-            row = t.oldest(dram.ref)
-            if row < 0:
+        for row in self.policy.demotion_order(dram.ref, limit):
+            if planned >= limit:
                 break
             length = int(t.length[row])
             size = extent_size(length, ssd.align)

@@ -21,6 +21,7 @@ from kvstore.meta.table import HELD, LIVE, READY, WRITTEN, words
 from kvstore.meta.writes import placement_order
 
 _NONE = np.empty(0, dtype=np.int64)
+DECLINED = object()  # _allocate: the cache policy did not admit the block
 
 
 @dataclass(slots=True)
@@ -68,25 +69,32 @@ class CompactWrites:
         t.flags[held] |= HELD
         status: list[int] = []
         placed: list[tuple[int, Segment, int, int]] = []  # (key index, segment, offset, length)
+        freqs: list[int] = []  # the placed blocks' counts, as the cache policy has them
+        pol = self.policy
         try:
-            gap = 0
+            gap = 0  # keep chain order: nothing after a gap is placed (NO_SPACE or NOT_ADMITTED)
             for i, size in enumerate(sizes):
                 if rows[i] >= 0:
                     status.append(PutStatus.SKIP_EXISTS if ready[i] else PutStatus.SKIP_INFLIGHT)
                     continue
-                got = None if gap else self._allocate(segments, size)
-                if got is None:
-                    gap = PutStatus.NO_SPACE
+                got = None if gap else self._allocate(segments, size, keys[i])
+                if got is None or got is DECLINED:
+                    gap = gap or (PutStatus.NOT_ADMITTED if got is DECLINED else PutStatus.NO_SPACE)
                     status.append(gap)
                     continue
                 placed.append((i, got[0], got[1], size))
+                freqs.append(pol.entering(keys[i]))
                 status.append(PutStatus.ALLOCATED)
+        except BaseException:
+            self._give_back(placed, freqs, keys)
+            raise
         finally:
             t.flags[held] &= 0xFF ^ HELD
             held = held[::-1]
             t.stamp(held[t.evictable(held)])
         n_skip = sum(1 for s in status if s in (PutStatus.SKIP_EXISTS, PutStatus.SKIP_INFLIGHT))
         n_nospace = status.count(PutStatus.NO_SPACE)
+        self.counters["not_admitted_keys"] += status.count(PutStatus.NOT_ADMITTED)
         if not placed and n_nospace:
             self.counters["no_space_keys"] += n_nospace
             raise ResourceExhausted(
@@ -103,9 +111,9 @@ class CompactWrites:
             idx = np.array([p[0] for p in placed], dtype=np.int64)
             new = t.add(q[idx])
         except BaseException:
-            for _, seg, off, length in placed:  # nothing in the table yet
-                seg.alloc.release(off, extent_size(length, seg.align))
+            self._give_back(placed, freqs, keys)
             raise
+        pol.entered(new, freqs)
         t.seg[new] = [p[1].ref for p in placed]
         t.off[new] = [p[2] for p in placed]
         t.size[new] = [extent_size(p[3], p[1].align) for p in placed]
@@ -118,29 +126,44 @@ class CompactWrites:
         heapq.heappush(self._put_deadlines, (deadline, put_id))
         return PutStartResult(put_id, status, new.copy(), timeout)
 
-    def _allocate(self, segments: list[Segment], length: int) -> tuple[Segment, int] | None:
+    def _give_back(self, placed: list[tuple[int, Segment, int, int]], freqs: list[int], keys: list[bytes]) -> None:
+        """A put that fails before its blocks are in the table: their extents are freed and the
+        cache policy gets back the counts it handed over (nothing was written there yet)."""
+        for _, seg, off, length in placed:
+            seg.alloc.release(off, extent_size(length, seg.align))
+        self.policy.gave_up([keys[i] for i, _, _, _ in placed[: len(freqs)]], freqs)
+
+    def _allocate(self, segments: list[Segment], length: int, key: bytes) -> tuple[Segment, int] | object | None:
         """Room for a block: free space in the first segment that has it, else space made by
-        evicting least recently used blocks, preferred segment first."""
+        eviction (the cache policy's victims), preferred segment first. None: nothing can be
+        evicted; ``DECLINED``: the policy judged ``key`` colder than what it would evict."""
         for seg in segments:
             off = seg.alloc.alloc(extent_size(length, seg.align))
             if off is not None:
                 return seg, off
+        judge = [key]  # the policy judges the block once, against the first victim
         for seg in segments:
-            off = self._room_in(seg, extent_size(length, seg.align))
+            off = self._room_in(seg, extent_size(length, seg.align), judge)
+            if off is DECLINED:
+                return DECLINED
             if off is not None:
                 return seg, off
         return None
 
-    def _room_in(self, seg: Segment, size: int) -> int | None:
-        """An extent of ``size`` bytes in ``seg``, its least recently used blocks evicted until
+    def _room_in(self, seg: Segment, size: int, judge: list[bytes] | None = None) -> int | object | None:
+        """An extent of ``size`` bytes in ``seg``, the cache policy's victims there evicted until
         one is free; None if no eviction there makes room (the rest is leased, pinned or being
-        written)."""
+        written). ``judge``: the key of a block being put, while the policy has yet to admit it
+        (emptied once it has; ``DECLINED`` if it does not)."""
         t = self.table
         off = seg.alloc.alloc(size)
         while off is None:
-            victim = t.oldest(seg.ref)
+            victim = self.policy.victim(seg.ref)
             if victim < 0:
                 return None
+            if judge:
+                if not self.policy.admits(judge.pop(), victim):
+                    return DECLINED
             self.counters["evictions"] += 1
             self.counters["evicted_bytes"] += int(t.length[victim])
             self._drop(victim)

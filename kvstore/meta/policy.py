@@ -60,30 +60,21 @@ frequency mode's counts are built over; :data:`kvstore.meta.duel.WINDOW_FACTOR`)
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.meta.duel import AGE_FACTOR, FREQUENCY, HISTORY_FACTOR, MAX_COUNT, MODES, SAMPLE, SECOND_CHANCE, Duel
+from kvstore.meta.counts import EPOCH_SHIFT, AdaptiveCounts, aged, until
+from kvstore.meta.duel import MAX_COUNT, SAMPLE
 
 if TYPE_CHECKING:
     from kvstore.meta.records import Entry, Replica
 
 POLICIES = ("adaptive", "lru")
-HISTORY_MAX = 1 << 20
-MIN_POPULATION = 1024
-PENDING_MAX = 1 << 16  # queued accesses (keys) that force a drain
-_EPOCH_SHIFT = 8
-
-
-def _count(packed: int, epoch: int) -> int:
-    """A count stored as ``epoch << 8 | count``, aged to ``epoch`` (halved once per epoch)."""
-    return (packed & MAX_COUNT) >> min(8, epoch - (packed >> _EPOCH_SHIFT))
 
 
 def _stored(e: Entry, epoch: int) -> int:
     """A stored block's count: aged, but never below 1 (it was read or written once)."""
-    return max(1, _count(e.freq, epoch))
+    return max(1, aged(e.freq, epoch))
 
 
 class LruPolicy:
@@ -126,14 +117,7 @@ class LruPolicy:
     def demotion_order(self, candidates: Iterable[Replica], want: int) -> list[Replica]:
         """Replicas to demote first, from eligible ones given least recent first, until their
         extents add up to ``want`` bytes."""
-        out: list[Replica] = []
-        acc = 0
-        for rep in candidates:
-            if acc >= want:
-                break
-            out.append(rep)
-            acc += rep.size
-        return out
+        return until(candidates, lambda rep: rep.size, want)
 
     def stats(self) -> dict[str, int]:
         return {}
@@ -142,113 +126,43 @@ class LruPolicy:
         """Asserts the policy's own accounting against the index's entries."""
 
 
-class AdaptivePolicy(LruPolicy):
+class AdaptivePolicy(AdaptiveCounts, LruPolicy):
     """``adaptive``: see the module docstring."""
 
     name = "adaptive"
 
     def __init__(self, entries: dict[bytes, Entry]) -> None:
         super().__init__(entries)
-        self.epoch = 0
-        self._n = 0
-        self.history: OrderedDict[bytes, int] = OrderedDict()
-        self.duel = Duel()
-        # Second-chance mode's spells, numbered: a block is marked (read again) when its
-        # ``again`` is the current spell's number (see _second_chance).
-        self._spell = 1
-        # With ``defer`` (the service sets it), accesses are queued and accounted at the next
-        # drain(): the service drains right after answering, so a read's accounting is off its
-        # critical path. Every other method drains first, and the index tells the policy of a
-        # block's arrival or departure before its entries change, so the order of events the
-        # policy sees, and so every decision, is the same as without.
-        self.defer = False
-        self._pending: list[tuple[Sequence[bytes], int]] = []
-        self._pending_keys = 0
-
-    @property
-    def frequency_mode(self) -> bool:
-        return self.duel.mode == FREQUENCY
-
-    @property
-    def second_chance_mode(self) -> bool:
-        return self.duel.mode == SECOND_CHANCE
-
-    @property
-    def mode_switches(self) -> int:
-        return self.duel.switches
+        self._init_counts()
 
     def _population(self) -> int:
-        return max(MIN_POPULATION, len(self.entries))
+        return len(self.entries)
 
-    def _history_limit(self) -> int:
-        return min(HISTORY_MAX, HISTORY_FACTOR * self._population())
-
-    def access(self, keys: Sequence[bytes], hits: int) -> None:
-        if not self.defer:
-            self._access(keys, hits)
-            return
-        self._pending.append((keys, hits))
-        self._pending_keys += len(keys)
-        if self._pending_keys >= PENDING_MAX:
-            self.drain()
-
-    def drain(self) -> None:
-        """Accounts the queued accesses, in order."""
-        if self._pending:
-            pending, self._pending, self._pending_keys = self._pending, [], 0
-            for keys, hits in pending:
-                self._access(keys, hits)
-
-    def _access(self, keys: Sequence[bytes], hits: int) -> None:
+    def _bump(self, keys: Sequence[bytes], stamp: int, spell: int) -> Iterator[bytes]:
+        """Counts an access of the stored ``keys`` (marking them in a spell); yields the others."""
         get = self.entries.get
-        epoch = self.epoch
-        stamp = epoch << _EPOCH_SHIFT
-        hist = self.history
-        spell = self._spell if self.duel.mode == SECOND_CHANCE else 0
+        epoch = stamp >> EPOCH_SHIFT
         for k in keys:
             e = get(k)
             if e is not None:
-                e.freq = stamp | min(MAX_COUNT, _count(e.freq, epoch) + 1)
+                e.freq = stamp | min(MAX_COUNT, aged(e.freq, epoch) + 1)
                 if spell:
                     e.again = spell
             else:
-                old = hist.pop(k, None)
-                hist[k] = stamp | min(MAX_COUNT, (_count(old, epoch) if old is not None else 0) + 1)
-        limit = self._history_limit()
-        while len(hist) > limit:
-            hist.popitem(last=False)
-        self._n += len(keys)
-        if self._n >= AGE_FACTOR * self._population():
-            self._n = 0
-            self.epoch += 1
-        was = self.duel.mode
-        self.duel.observe(keys, len(self.entries), hits)
-        if was == SECOND_CHANCE and self.duel.mode != SECOND_CHANCE:
-            self._end_spell()
-        if self.duel.mode == SECOND_CHANCE and was != SECOND_CHANCE:
-            self._spell += 1  # a new spell: marks of an earlier one no longer count
+                yield k
 
     def created(self, e: Entry) -> None:
-        self.drain()
-        old = self.history.pop(e.key, None)
-        if old is not None:
-            e.freq = (self.epoch << _EPOCH_SHIFT) | _count(old, self.epoch)
+        freq = self._from_history(e.key)
+        if freq:
+            e.freq = freq
 
     def removed(self, e: Entry) -> None:
-        self.drain()
-        c = _count(e.freq, self.epoch)
-        if c:
-            self.history[e.key] = (self.epoch << _EPOCH_SHIFT) | c
-            if len(self.history) > self._history_limit():
-                self.history.popitem(last=False)
+        self._to_history(e.key, e.freq)
 
     def count(self, key: bytes) -> int:
         self.drain()
         e = self.entries.get(key)
-        if e is not None:
-            return _count(e.freq, self.epoch)
-        old = self.history.get(key)
-        return _count(old, self.epoch) if old is not None else 0
+        return aged(e.freq, self.epoch) if e is not None else self._historyaged(key)
 
     def pick(self, candidates: Iterator[Replica]) -> Replica | None:
         self.drain()
@@ -349,20 +263,8 @@ class AdaptivePolicy(LruPolicy):
     def check_integrity(self) -> None:
         self.drain()
         assert not any(k in self.entries for k in self.history), "a stored block's count is also in the history"
-        assert all(_count(e.freq, self.epoch) <= MAX_COUNT for e in self.entries.values())
+        assert all(aged(e.freq, self.epoch) <= MAX_COUNT for e in self.entries.values())
         assert all(0 <= e.again <= self._spell for e in self.entries.values()), "a mark of a spell yet to come"
-
-    def stats(self) -> dict[str, int]:
-        # Read-only, without a drain: the metrics thread calls it while the service runs.
-        return {
-            "policy_frequency_mode": int(self.frequency_mode),
-            "policy_second_chance_mode": int(self.second_chance_mode),
-            "policy_mode_switches": self.mode_switches,
-            **{f"policy_{m}_keys": n for m, n in zip(MODES, self.duel.keys_in)},
-            "policy_history": len(self.history),
-            "policy_epoch": self.epoch,
-            **{f"policy_{m}_calibration_permille": round(1000 * k) for m, k in zip(MODES, self.duel.calibration())},
-        }
 
 
 def make_policy(name: str, entries: dict[bytes, Entry]) -> LruPolicy:

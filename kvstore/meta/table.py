@@ -3,8 +3,9 @@ found through an open-addressing hash table of row numbers keyed by the 128-bit 
 
 No Python object exists per block: a block is a row, its key two 64-bit words, its replica
 (segment, extent, checksum, generation), its recency stamp, its lease count and its flags
-columns of that row. Memory per block is the columns' width (:data:`ROW_BYTES`) over the rows'
-fill, plus 4 bytes over the hash table's fill, whatever the number of blocks; a batch lookup
+columns of that row. Memory per block is the columns' width (:data:`ROW_BYTES`, and
+:data:`COUNT_BYTES` more with the adaptive policy) over the rows' fill, plus 4 bytes over the
+hash table's fill, whatever the number of blocks; a batch lookup
 is a handful of vectorised gathers (one per probe round), whose cost does not grow with the
 table but for cache misses.
 
@@ -25,6 +26,7 @@ every row on the list, and a row becomes evictable again only with a new stamp.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -47,7 +49,11 @@ _COLUMNS = (
     ("recent", np.uint64, 1),  # recency: larger is more recent
     ("leases", np.uint32, 1), ("flags", np.uint8, 1),
 )  # fmt: skip
+# Kept only for the adaptive policy (kvstore.meta.compact_policy): a block's access count
+# (epoch << 8 | count) and second chance's mark (the spell it was read again in).
+COUNT_COLUMNS = (("freq", np.uint64, 1), ("again", np.uint32, 1))
 ROW_BYTES = sum(np.dtype(t).itemsize * w for _, t, w in _COLUMNS)
+COUNT_BYTES = sum(np.dtype(t).itemsize * w for _, t, w in COUNT_COLUMNS)
 _M64 = (1 << 64) - 1
 _TAG = 0x7FFFFFFF  # a slot holds tag << 32 | ready << 31 | row (row < 2**31); -1 is empty
 _SLOT_READY = 1 << 31
@@ -75,7 +81,9 @@ def _as_keys(w: np.ndarray) -> np.ndarray:
 class BlockTable:
     """Rows of block state and the hash table that finds them. Pure state, no locking."""
 
-    def __init__(self, rows: int = 1024, seed: int | None = None) -> None:
+    def __init__(self, rows: int = 1024, seed: int | None = None, counts: bool = False) -> None:
+        """``rows`` to start with (more come as needed); ``counts``: with the adaptive policy's
+        columns (:data:`COUNT_COLUMNS`)."""
         rnd = random.Random(seed)
         self._m1 = rnd.getrandbits(64) | 1
         self._m2 = rnd.getrandbits(64) | 1
@@ -83,7 +91,8 @@ class BlockTable:
         self._np_s, self._np_m1, self._np_m2 = np.uint64(self._s), np.uint64(self._m1), np.uint64(self._m2)
         self._np_tag = np.uint64(_TAG)
         self.cap = max(16, rows)
-        for name, t, w in _COLUMNS:
+        self._columns = _COLUMNS + (COUNT_COLUMNS if counts else ())
+        for name, t, w in self._columns:
             setattr(self, name, np.zeros((self.cap, w) if w > 1 else self.cap, dtype=t))
         self.n_rows = 0  # rows ever used (a high-water mark); free ones are on _free
         self._free = np.empty(64, dtype=np.int64)
@@ -227,7 +236,7 @@ class BlockTable:
 
     def _grow_rows(self, need: int) -> None:
         cap = max(need, int(self.cap * _GROW))
-        for name, _, _ in _COLUMNS:
+        for name, _, _ in self._columns:
             old = getattr(self, name)
             new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
             new[: self.n_rows] = old[: self.n_rows]
@@ -250,7 +259,7 @@ class BlockTable:
             self._grow_rows(self.n_rows + fresh)
         rows[reuse:] = np.arange(self.n_rows, self.n_rows + fresh)
         self.n_rows += fresh
-        for name, _, _ in _COLUMNS:
+        for name, _, _ in self._columns:
             getattr(self, name)[rows] = 0
         self.kw[rows] = q
         self.flags[rows] = LIVE
@@ -333,7 +342,32 @@ class BlockTable:
                 self._oldest.pop(seg_ref, None)
                 return -1
 
-    def _oldest_pass(self, seg_ref: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    def oldest_rows(self, seg_ref: int) -> Iterator[int]:
+        """Segment ``seg_ref``'s evictable rows, least recently used first (what the cache
+        policy chooses a victim among). Valid while the table does not change: a caller that
+        acts on the rows it was given does so after it stops iterating."""
+        rows, stamps, pos = self._oldest.get(seg_ref, (_NO_ROWS, _NO_ROWS, 0))
+        recent, flags, leases, seg = self.recent, self.flags, self.leases, self.seg
+        last = -1
+        while True:
+            for i in range(pos, len(rows)):
+                r, st = int(rows[i]), int(stamps[i])
+                if (
+                    recent[r] == st
+                    and st > last
+                    and seg[r] == seg_ref
+                    and (flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)
+                    and leases[r] == 0
+                ):
+                    last = st
+                    yield r
+            # Past the list: the rows younger than the last one given (stamps only grow).
+            rows, stamps = self._oldest_pass(seg_ref, 0, last)
+            pos = 0
+            if not len(rows):
+                return
+
+    def _oldest_pass(self, seg_ref: int, batch: int, after: int = -1) -> tuple[np.ndarray, np.ndarray]:
         n = self.n_rows
         f = self.flags[:n]
         ok = (
@@ -341,6 +375,8 @@ class BlockTable:
             & (self.leases[:n] == 0)
             & (self.seg[:n] == seg_ref)
         )
+        if after >= 0:
+            ok &= self.recent[:n] > np.uint64(after)
         cand = np.flatnonzero(ok)
         # Enough for many evictions per pass (a pass costs the whole table), few enough to sort
         # and hold (16 bytes each).
@@ -359,7 +395,7 @@ class BlockTable:
 
     def nbytes(self) -> int:
         """Bytes held by the columns, the hash table and the free-row stack."""
-        return sum(getattr(self, n).nbytes for n, _, _ in _COLUMNS) + self.slots.nbytes + self._free.nbytes
+        return sum(getattr(self, n).nbytes for n, _, _ in self._columns) + self.slots.nbytes + self._free.nbytes
 
     def check_integrity(self) -> None:
         live = np.flatnonzero(self.flags[: self.n_rows] & LIVE)

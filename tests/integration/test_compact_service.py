@@ -50,7 +50,7 @@ from tests.integration.test_ssd_tier import (  # noqa: F401
     test_sigkill_during_write_burst_then_restart_serves_committed_blocks,
 )
 
-COMPACT = ("meta.index=compact", "meta.cache_policy=lru")
+COMPACT = ("meta.index=compact",)  # with the default cache policy, adaptive
 
 
 @pytest.fixture
@@ -62,13 +62,14 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.close()
 
 
-def test_a_compact_index_with_another_cache_policy_is_refused_at_start(tmp_path: Path) -> None:
+def test_a_compact_index_with_an_unknown_cache_policy_is_refused_at_start(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "meta", "--listen", "127.0.0.1:0", "--set", "meta.index=compact"],
+        [sys.executable, "-m", "kvstore.cli", "meta", "--listen", "127.0.0.1:0",
+         "--set", "meta.index=compact", "--set", "meta.cache_policy=lfu"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode != 0
-    assert "meta.index=compact" in out.stderr and "meta.cache_policy=lru" in out.stderr
+    assert "meta.cache_policy" in out.stderr and "adaptive" in out.stderr
 
 
 def test_service_state_and_metrics_read_from_the_block_table(cluster: Cluster) -> None:
@@ -86,6 +87,10 @@ def test_service_state_and_metrics_read_from_the_block_table(cluster: Cluster) -
     assert value(m, "kvstore_meta_keys") == 8
     assert value(m, "kvstore_meta_segment_pinned_blocks") == 3
     assert value(m, "kvstore_meta_policy_frequency_mode") == 0
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{p.info['metrics_port']}/metrics", timeout=10) as r:
+        assert "while the adaptive cache policy" in r.read().decode()  # the compact index's policy
 
 
 def test_a_put_whose_rows_are_given_to_another_while_it_waits_keeps_its_own_extents(cluster: Cluster) -> None:

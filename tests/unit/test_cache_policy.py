@@ -1,4 +1,5 @@
-"""The index's cache policy (kvstore.meta.policy) driven through the real Index: the invariants
+"""The index's cache policy (kvstore.meta.policy, and on the block table kvstore.meta.compact_policy)
+driven through the real indexes, object and compact alike: the invariants
 of the frequency mode (never evicts what is leased, pinned or being written; a chain's tail
 before its head; admission in chain order; bounded history), the mode choice and its shadows
 (kvstore.meta.duel), and aging. Every index check also checks the policy's own accounting."""
@@ -7,20 +8,83 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
+from kvstore.extent import ALIGN
+from kvstore.meta import counts as cnt
 from kvstore.meta import duel as du
-from kvstore.meta import policy as pol
+from kvstore.meta.compact import CompactIndex
 from kvstore.meta.duel import FREQUENCY, RECENCY, SECOND_CHANCE
 from kvstore.meta.index import Index, IndexLimits, PutStatus
+from kvstore.meta.table import LIVE, BlockTable, words
 from tests.unit.test_index import BLK, FakeClock, dspec, k, pk, seg
 
 ALLOCATED = PutStatus.ALLOCATED
 NOT_ADMITTED = PutStatus.NOT_ADMITTED
 
 
+class Stored:
+    """The compact index's stored keys as the object index's ``entries`` answer membership."""
+
+    def __init__(self, table: BlockTable) -> None:
+        self.table = table
+
+    def __contains__(self, key: bytes) -> bool:
+        return int(self.table.find(words(key))[0]) >= 0
+
+    def __iter__(self):  # noqa: ANN204
+        t = self.table
+        live = np.flatnonzero(t.flags[: t.n_rows] & LIVE)
+        return iter([t.key(int(r)) for r in live])
+
+
+# Every test runs on both indexes: the policy's decisions are the same code on an entry or on a
+# row of the block table (kvstore.meta.compact_policy). Tests that look into the object index's
+# own structures (a segment's recency order, an entry's mark) are for it alone.
+KINDS = ("object", "compact")
+_kind = ["object"]
+
+
+@pytest.fixture(params=KINDS, autouse=True)
+def index_kind(request) -> str:  # noqa: ANN001
+    _kind[0] = request.param
+    return request.param
+
+
+def object_only() -> None:
+    if _kind[0] != "object":
+        pytest.skip("looks into the object index's own structures")
+
+
+def recency(idx) -> list[bytes]:  # noqa: ANN001
+    """The keys of the segment's evictable blocks, least recently used first."""
+    if _kind[0] == "object":
+        return list(seg(idx).lru)
+    return [idx.table.key(r) for r in idx.table.oldest_rows(seg(idx).ref)]
+
+
+def demotions(idx, n: int) -> list[bytes]:  # noqa: ANN001
+    """The keys the policy demotes first, as many as ``n`` blocks' extents."""
+    if _kind[0] == "object":
+        reps = list(seg(idx).lru.values())
+        return [r.entry.key for r in idx.policy.demotion_order(iter(reps), n * reps[0].size)]
+    return [idx.table.key(r) for r in idx.policy.demotion_order(seg(idx).ref, n * ALIGN)]
+
+
+def mark(idx, key: bytes, spell: int) -> None:  # noqa: ANN001
+    if _kind[0] == "object":
+        idx.entries[key].again = spell
+    else:
+        idx.table.again[int(idx.table.find(words(key))[0])] = spell
+
+
 def make(slots: int = 8, policy: str = "adaptive", frequency: bool | None = None, mode: int | None = None) -> Index:
-    idx = Index(IndexLimits(cache_policy=policy), FakeClock())
+    if _kind[0] == "compact":
+        idx = CompactIndex(IndexLimits(cache_policy=policy), FakeClock())
+        idx.entries = Stored(idx.table)  # type: ignore[attr-defined]
+    else:
+        idx = Index(IndexLimits(cache_policy=policy), FakeClock())
     idx.register_daemon(dspec(slots=slots), {})
     if frequency is not None:
         mode = FREQUENCY if frequency else RECENCY
@@ -141,23 +205,20 @@ def test_frequency_mode_takes_a_chain_tail_before_its_head():
 
 
 def test_demotion_order_follows_the_mode():
-    reps = []
     idx = make(slots=8, frequency=True)
     request(idx, 0, 1, 2)
     for _ in range(5):
         read(idx, 0)
     read(idx, 1)
-    reps = list(seg(idx).lru.values())  # least recent first: 2, 1, 0
-    order = idx.policy.demotion_order(iter(reps), 3 * reps[0].size)
-    assert [r.entry.key for r in order] == [k(2), k(1), k(0)]
+    assert recency(idx) == [k(2), k(0), k(1)]  # least recent first
+    assert demotions(idx, 3) == [k(2), k(1), k(0)]  # least counted first
     idx.policy.duel.mode = RECENCY
-    order = idx.policy.demotion_order(iter(reps), 2 * reps[0].size)
-    assert [r.entry.key for r in order] == [r.entry.key for r in reps[:2]]
+    assert demotions(idx, 2) == [k(2), k(0)]
 
 
 def test_history_is_bounded():
     idx = make(slots=4)
-    limit = pol.HISTORY_FACTOR * pol.MIN_POPULATION
+    limit = du.HISTORY_FACTOR * cnt.MIN_POPULATION
     for i in range(0, 3 * limit, 64):
         idx.acquire(b"".join((10**6 + j).to_bytes(16, "big") for j in range(i, i + 64)))
         assert len(idx.policy.history) <= limit
@@ -167,7 +228,7 @@ def test_history_is_bounded():
     assert len(sc.d) <= sc.capacity
     assert len(lru.d) <= lru.capacity
     assert len(lfu.d) <= lfu.capacity
-    assert len(lfu.history) <= pol.HISTORY_FACTOR * lfu.capacity
+    assert len(lfu.history) <= du.HISTORY_FACTOR * lfu.capacity
 
 
 def test_counts_age_by_halving_each_epoch():
@@ -194,7 +255,7 @@ def test_counts_age_by_halving_each_epoch():
 def test_epochs_advance_with_accesses():
     idx = make(slots=4)
     before = idx.policy.epoch
-    period = pol.AGE_FACTOR * pol.MIN_POPULATION
+    period = du.AGE_FACTOR * cnt.MIN_POPULATION
     keys = pk(*range(64))
     for _ in range(period // 64 + 1):
         idx.acquire(keys)
@@ -589,13 +650,14 @@ def test_marks_of_an_earlier_spell_do_not_count():
     idx.policy.duel.mode = SECOND_CHANCE
     request(idx, 10)
     assert k(0) not in idx.entries, "a read in recency mode counted as a mark"
-    idx.entries[k(1)].again = idx.policy._spell  # order 1, 2, 10: the least recent marked
+    mark(idx, k(1), idx.policy._spell)  # order 1, 2, 10: the least recent marked
     idx.policy._spell += 1  # a later spell
     request(idx, 11)
     assert k(1) not in idx.entries, "a mark of an earlier spell counted"
 
 
 def test_second_chance_demotes_blocks_not_read_again_first():
+    object_only()  # demotes from a recency order taken before the last read
     idx = make(slots=8, mode=SECOND_CHANCE)
     request(idx, 0)
     request(idx, 1)
@@ -656,7 +718,7 @@ def test_leaving_second_chance_keeps_chain_order(after: int):
     read(idx, 0)  # a prefix-only read: order 1, 10, 0
     request(idx, 11)
     request(idx, 12)  # 1 passed over (after 0 now, unmarked), 10 goes: order 0, 11, 1, 12
-    assert k(10) not in idx.entries and list(seg(idx).lru)[0] == k(0)
+    assert k(10) not in idx.entries and recency(idx)[0] == k(0)
     going = [RECENCY] + ([SECOND_CHANCE] if after == SECOND_CHANCE else [])
     duel.decide = lambda: setattr(duel, "mode", going[0])  # type: ignore[method-assign]
     read(idx, 99)  # the spell ends
@@ -664,7 +726,7 @@ def test_leaving_second_chance_keeps_chain_order(after: int):
         going.pop(0)
         read(idx, 98)  # and a new one starts: the old marks count for nothing
     duel.mode = after
-    assert list(seg(idx).lru)[-1] == k(0), "the marked predecessor did not go to the most recent end"
+    assert recency(idx)[-1] == k(0), "the marked predecessor did not go to the most recent end"
     request(idx, 13)
     assert k(1) not in idx.entries or k(0) in idx.entries, "1 stored without 0"
     idx.check_integrity()

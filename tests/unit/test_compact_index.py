@@ -10,9 +10,11 @@ import random
 import numpy as np
 import pytest
 
+import kvstore.meta.counts
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.extent import ALIGN, HEADER_SIZE
 from kvstore.meta.compact import CompactIndex
+from kvstore.meta.duel import FREQUENCY, RECENCY, SECOND_CHANCE
 from kvstore.meta.index import DaemonSpec, Index, IndexLimits, InventoryItem, SegmentSpec, Tier
 from kvstore.meta.table import BlockTable, words
 from tests.unit.test_index import FakeClock
@@ -62,12 +64,18 @@ def both(a, b):  # noqa: ANN001, ANN201
 class Pair:
     """The two indexes driven alike."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, policy: str = "lru") -> None:
         self.rnd = random.Random(seed)
         self.clock = FakeClock()
-        limits = IndexLimits(cache_policy="lru", max_batch_keys=64)
+        limits = IndexLimits(cache_policy=policy, max_batch_keys=64)
         self.obj = Index(limits, self.clock)
         self.cmp = CompactIndex(limits, self.clock, rows=16)
+        self.mode = RECENCY
+        if policy == "adaptive":
+            # The mode follows a schedule of this test (the same for both), not the duel: every
+            # mode and every switch between them is driven through both indexes.
+            for pol in (self.obj.policy, self.cmp.policy):
+                pol.duel.decide = (lambda d: lambda: setattr(d, "mode", self.mode))(pol.duel)
         self.daemons = {"d1": 12, "d2": 7}
         for d, slots in self.daemons.items():
             assert self.obj.register_daemon(spec(d, slots), {}) == self.cmp.register_daemon(spec(d, slots), {})
@@ -112,6 +120,8 @@ class Pair:
 
     def step(self) -> None:
         rnd, obj, cmp = self.rnd, self.obj, self.cmp
+        if rnd.random() < 0.01:
+            self.mode = rnd.choice((RECENCY, SECOND_CHANCE, FREQUENCY))
         op = rnd.random()
         if op < 0.25:
             keys = self.chain()
@@ -212,6 +222,27 @@ def test_the_compact_index_answers_as_the_object_index_on_random_operations(seed
     names = ("hit_keys", "miss_keys", "put_keys", "evictions", "removed", "expired_leases", "tombstones")
     for name in (*names, "commit_failed_keys", "daemons_drained", "put_bytes"):
         assert pair.obj.counters[name] == pair.cmp.counters[name], name
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_with_the_adaptive_policy_the_compact_index_decides_as_the_object_index(seed: int, monkeypatch) -> None:  # noqa: ANN001
+    # A small floor for the policy's population, so that counts age and the history of blocks
+    # not stored is trimmed within the run; the mode changes on a schedule (see Pair).
+    monkeypatch.setattr(kvstore.meta.counts, "MIN_POPULATION", 4)
+    pair = Pair(seed, "adaptive")
+    for _ in range(1500):
+        pair.step()
+    obj, cmp = pair.obj, pair.cmp
+    assert obj.counters["evictions"] > 0 and obj.counters["not_admitted_keys"] > 0
+    assert obj.policy.epoch > 2 and all(obj.policy.duel.keys_in)  # counts aged; reads in every mode
+    for name in ("hit_keys", "miss_keys", "put_keys", "evictions", "not_admitted_keys", "removed", "tombstones"):
+        assert obj.counters[name] == cmp.counters[name], name
+    assert (obj.policy.epoch, obj.policy._spell) == (cmp.policy.epoch, cmp.policy._spell)
+    # The same counts remembered (blocks that leave together, with a daemon or an aborted put,
+    # may enter the history in another order).
+    assert dict(obj.policy.history) == dict(cmp.policy.history)
+    stored = [k for c in pair.chains for k in c if obj.policy.count(k)]
+    assert stored and [obj.policy.count(k) for k in stored] == [cmp.policy.count(k) for k in stored]
 
 
 def test_inventory_adoption_answers_as_the_object_index() -> None:

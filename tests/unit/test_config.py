@@ -343,7 +343,6 @@ SPECIAL = {
         (["daemon.ssd_durability=sometimes"], "daemon.ssd_durability: must be one of fast, durable"),
         (["meta.cache_policy=random"], "meta.cache_policy: must be one of adaptive, lru"),
         (["meta.index=columns"], "meta.index: must be one of object, compact"),
-        (["meta.index=compact"], "meta.index=compact evicts least recently used first, not by the 'adaptive'"),
         (["client.transport=carrier-pigeon"], "client.transport: must be one of auto, shm, tcp"),
         (["client.io_threads=0"], "client.io_threads: must be positive"),
         (["client.retries=-1"], "client.retries: must be >= 0"),
@@ -484,7 +483,11 @@ def test_client_settings_come_from_the_environment(monkeypatch, tmp_path):
     assert tls.enabled and tls.cert.endswith("client.pem")
 
 
-def test_the_compact_index_loads_with_the_lru_policy():
+def test_the_compact_index_loads_with_either_cache_policy():
     cfg = load_config(overrides=["meta.index=compact", "meta.cache_policy=lru"], env={})
     assert (cfg.meta.index, cfg.meta.cache_policy) == ("compact", "lru")
+    cfg = load_config(overrides=["meta.index=compact"], env={})
+    assert (cfg.meta.index, cfg.meta.cache_policy) == ("compact", "adaptive")
     assert load_config(env={}).meta.index == "object"
+    with pytest.raises(InvalidArgument, match="meta.cache_policy"):
+        load_config(overrides=["meta.index=compact", "meta.cache_policy=lfu"], env={})
