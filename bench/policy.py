@@ -190,7 +190,7 @@ def kvstore_hits(stream: Stream, capacity: int, whole_chain: bool = True, index:
     ``whole_chain=False`` puts only the missing suffix, as a connector that skips what it
     loaded would. Returns hits and the index's own counters.
     """
-    idx = index or make_index(capacity)
+    idx = index if index is not None else make_index(capacity)
     clock = idx.clock
     sizes_cache: dict[int, list[int]] = {}
     hits = 0
@@ -211,7 +211,7 @@ def kvstore_hits(stream: Stream, capacity: int, whole_chain: bool = True, index:
             put = idx.put_start(keys, sizes, host_id="bench-host")
         except ResourceExhausted:  # the stored run fills the segment: nothing can be added
             continue
-        if put.placements:
+        if len(put.placements):
             idx.put_commit(put.put_id, [0] * len(put.placements))
     c = idx.counters
     return {

@@ -69,7 +69,7 @@ class TableLru:
 
     def demotion_order(self, seg_ref: int, want: int) -> list[int]:
         """Rows of the segment to demote, first first, until their extents add up to ``want``."""
-        return until(self.table.oldest_rows(seg_ref), self._size, want)
+        return until(_oldest_worth(self.table, seg_ref, want).tolist(), self._size, want)
 
     def _size(self, row: int) -> int:
         return int(self.table.size[row])
@@ -79,6 +79,21 @@ class TableLru:
 
     def check_integrity(self) -> None:
         """Nothing of its own to check."""
+
+
+def _oldest_worth(t: BlockTable, seg_ref: int, want: int, at_least: int = 1) -> np.ndarray:
+    """The segment's least recently used evictable rows, oldest first: as many as it takes for
+    their extents to add up to ``want`` bytes, and at least ``at_least`` of them (or all)."""
+    k = max(at_least, 64)
+    while True:
+        rows = t.oldest_batch(seg_ref, k)
+        if len(rows) < k:
+            return rows
+        acc = np.cumsum(t.size[rows])
+        enough = np.flatnonzero(acc >= want)
+        if len(enough) and max(int(enough[0]) + 1, at_least) <= k:
+            return rows[: max(int(enough[0]) + 1, at_least)]
+        k *= 4
 
 
 def _aged(freq: np.ndarray, epoch: int) -> np.ndarray:
@@ -146,33 +161,31 @@ class TableAdaptive(AdaptiveCounts, TableLru):
             return self._second_chance(seg_ref)
         if not self.frequency_mode:
             return self.table.oldest(seg_ref)
-        best, best_c = -1, MAX_COUNT + 1
-        for _, row in zip(range(SAMPLE), self.table.oldest_rows(seg_ref)):
-            c = self._stored(row)
-            if c < best_c:
-                best, best_c = row, c
-        return best
+        rows = self.table.oldest_batch(seg_ref, SAMPLE)
+        if not len(rows):
+            return -1
+        counts = np.maximum(_aged(self.table.freq[rows], self.epoch), np.uint64(1))
+        return int(rows[int(np.argmin(counts))])  # the first least counted: the oldest of them
 
     def _second_chance(self, seg_ref: int) -> int:
         """CLOCK's second chance on the recency order, as ``AdaptivePolicy._second_chance``: the
         least recent row not marked in this spell; those passed over lose the mark and become
-        the most recent, in their order (after the walk)."""
+        the most recent, in their order. Walked SAMPLE rows at a time, the rows passed over made
+        most recent as each batch is walked: the same order as after the walk, and the same
+        victim when every row is marked (the first passed over, least recent again by then)."""
         t = self.table
         spell = self._spell
-        passed: list[int] = []
-        victim = -1
-        for row in t.oldest_rows(seg_ref):
-            if int(t.again[row]) != spell:
-                victim = row
-                break
-            passed.append(row)
-        first = 0
-        if victim < 0 and passed:
-            victim, first = passed[0], 1
-        for row in passed[first:]:
-            t.again[row] = 0
-            t.stamp_one(row)
-        return victim
+        while True:
+            rows = t.oldest_batch(seg_ref, SAMPLE)
+            if not len(rows):
+                return -1
+            marked = t.again[rows] == spell
+            n = len(rows) if marked.all() else int(np.argmin(marked))
+            passed = rows[:n]
+            t.again[passed] = 0
+            t.stamp(passed)
+            if n < len(rows):
+                return int(rows[n])
 
     def _end_spell(self) -> None:
         """As ``AdaptivePolicy._end_spell``: the evictable rows still marked become the most
@@ -193,16 +206,10 @@ class TableAdaptive(AdaptiveCounts, TableLru):
         self.drain()
         t = self.table
         if not self.frequency_mode and not self.second_chance_mode:
-            return until(t.oldest_rows(seg_ref), self._size, want)
+            return super().demotion_order(seg_ref, want)
         # Among the least recent (at least SAMPLE of them): least counted first (frequency), or
         # not read again first (second chance); ties oldest first.
-        pool: list[int] = []
-        acc = 0
-        for row in t.oldest_rows(seg_ref):
-            if acc >= want and len(pool) >= SAMPLE:
-                break
-            pool.append(row)
-            acc += int(t.size[row])
+        pool = _oldest_worth(t, seg_ref, want, SAMPLE).tolist()
         if self.second_chance_mode:
             spell = self._spell
             pool.sort(key=lambda r: int(t.again[r]) == spell)

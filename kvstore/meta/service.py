@@ -30,7 +30,7 @@ from kvstore.meta.index import (
     IndexLimits,
 )
 from kvstore.meta.lookup_port import LookupPort
-from kvstore.meta.servicer import ADOPT_CHUNK, MetaServicer  # noqa: F401 - re-exported
+from kvstore.meta.servicer import MetaServicer
 from kvstore.metrics import MetaCollector, MetricsHttp, rpc_metrics
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
 from kvstore.tls import TlsConfig, add_port, host_of

@@ -26,7 +26,6 @@ every row on the list, and a row becomes evictable again only with a new stamp.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -342,32 +341,34 @@ class BlockTable:
                 self._oldest.pop(seg_ref, None)
                 return -1
 
-    def oldest_rows(self, seg_ref: int) -> Iterator[int]:
-        """Segment ``seg_ref``'s evictable rows, least recently used first (what the cache
-        policy chooses a victim among). Valid while the table does not change: a caller that
-        acts on the rows it was given does so after it stops iterating."""
-        rows, stamps, pos = self._oldest.get(seg_ref, (_NO_ROWS, _NO_ROWS, 0))
-        recent, flags, leases, seg = self.recent, self.flags, self.leases, self.seg
-        last = -1
-        while True:
-            for i in range(pos, len(rows)):
-                r, st = int(rows[i]), int(stamps[i])
-                if (
-                    recent[r] == st
-                    and st > last
-                    and seg[r] == seg_ref
-                    and (flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)
-                    and leases[r] == 0
-                ):
-                    last = st
-                    yield r
-            # Past the list: the rows younger than the last one given (stamps only grow).
-            rows, stamps = self._oldest_pass(seg_ref, 0, last)
-            pos = 0
-            if not len(rows):
-                return
+    def oldest_batch(self, seg_ref: int, k: int) -> np.ndarray:
+        """The ``k`` least recently used evictable rows of segment ``seg_ref`` (fewer if there
+        are not so many), oldest first: the first ``k`` that :meth:`oldest` would give in turn, vectorised over the
+        segment's list of oldest rows (which it moves past the rows no longer on it, and makes
+        anew, from the whole table, when fewer than ``k`` are left on it)."""
+        for fresh in (False, True):
+            if fresh:  # (a pass of the usual size, at least four batches' worth)
+                rows, stamps = self._oldest_pass(seg_ref, 0 if 4 * k <= 256 else 4 * k)
+                pos = 0
+            else:
+                rows, stamps, pos = self._oldest.get(seg_ref, (_NO_ROWS, _NO_ROWS, 0))
+            r, st = rows[pos:], stamps[pos:]
+            ok = (
+                (self.recent[r] == st)
+                & (self.seg[r] == seg_ref)
+                & ((self.flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY))
+                & (self.leases[r] == 0)
+            )
+            good = np.flatnonzero(ok)
+            if len(good):
+                self._oldest[seg_ref] = (rows, stamps, pos + int(good[0]))
+            else:
+                self._oldest.pop(seg_ref, None)
+            if len(good) >= k or fresh:  # a fresh pass short of k: that is every evictable row
+                return r[good[:k]]
+        raise AssertionError("unreachable")
 
-    def _oldest_pass(self, seg_ref: int, batch: int, after: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    def _oldest_pass(self, seg_ref: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
         n = self.n_rows
         f = self.flags[:n]
         ok = (
@@ -375,8 +376,6 @@ class BlockTable:
             & (self.leases[:n] == 0)
             & (self.seg[:n] == seg_ref)
         )
-        if after >= 0:
-            ok &= self.recent[:n] > np.uint64(after)
         cand = np.flatnonzero(ok)
         # Enough for many evictions per pass (a pass costs the whole table), few enough to sort
         # and hold (16 bytes each).

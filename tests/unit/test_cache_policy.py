@@ -61,7 +61,7 @@ def recency(idx) -> list[bytes]:  # noqa: ANN001
     """The keys of the segment's evictable blocks, least recently used first."""
     if _kind[0] == "object":
         return list(seg(idx).lru)
-    return [idx.table.key(r) for r in idx.table.oldest_rows(seg(idx).ref)]
+    return [idx.table.key(int(r)) for r in idx.table.oldest_batch(seg(idx).ref, 1 << 20)]
 
 
 def demotions(idx, n: int) -> list[bytes]:  # noqa: ANN001
