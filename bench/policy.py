@@ -669,7 +669,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     _INDEX[0] = ns.index
     if ns.out is None:
         ns.out = RESULTS / ("policy.json" if ns.index == "object" else "policy_compact.json")
-    ns.no_report = ns.no_report or ns.index != "object"
     flags = ["--quick"] if ns.quick else []
     flags += [f"--index {ns.index}"] if ns.index != "object" else []
     flags += [f"--workload {w}" for w in ns.workload or []] + [f"--capacity {c}" for c in ns.capacity or []]
@@ -690,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(result, indent=2) + "\n")
     png = ns.out.with_name(f"{ns.out.stem}_hit_rate.png")
-    has_plot = plot(result, png)
+    has_plot = plot(result, png) if ns.index == "object" else False
     for name, w in result["workloads"].items():
         for row in w["rows"]:
             rates = "  ".join(f"{p} {v:.3f}" for p, v in row["hit_rates"].items())
@@ -700,9 +699,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         if field in result:
             print(f"{field} = {result[field]}")
     print(f"wrote {ns.out} in {result['wall_s']} s")
-    if not ns.no_report:
+    if not ns.no_report and ns.index == "object":
         update_section("policy", render(result, png.name if has_plot else None))
+    elif not ns.no_report:
+        update_section("policy_compact", render_compact(result, RESULTS / "policy.json"))
     return 0
+
+
+def render_compact(r: dict, object_json: Path) -> str:
+    """The compact index's replay next to the object index's (``object_json``, the last
+    ``python bench/policy.py``): the same decisions give the same hit rates."""
+    obj = json.loads(object_json.read_text()) if object_json.exists() else {"workloads": {}}
+    lines = [
+        "## Cache policy on the compact index (`bench/policy.py --index compact`)",
+        "",
+        f"- Command: `{r['command']}`",
+        f"- Date: {r['date']}",
+        f"- Machine: {r['machine']}",
+        "- Setup: as in the section above, with kvstore on `kvstore.meta.compact.CompactIndex` (its counts and "
+        "marks in columns of the block table, `kvstore/meta/compact_policy.py`), next to the object index's "
+        f"hit rates from `{object_json.relative_to(REPO)}` ({obj.get('date', 'not run')}).",
+        "",
+        "| workload | capacity | compact (adaptive) | object (adaptive) | compact (lru) | object (lru) | same |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    same = total = 0
+    for name, w in r["workloads"].items():
+        orows = {x["capacity"]: x for x in obj["workloads"].get(name, {}).get("rows", [])}
+        for row in w["rows"]:
+            o = orows.get(row["capacity"], {}).get("hit_rates", {})
+            h = row["hit_rates"]
+            eq = o.get("kvstore") == h["kvstore"] and o.get("kvstore_lru") == h["kvstore_lru"]
+            same += eq
+            total += 1
+            fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else "-"  # noqa: E731
+            lines.append(
+                f"| {name} | {row['capacity']:,} | {fmt(h['kvstore'])} | {fmt(o.get('kvstore'))} | "
+                f"{fmt(h['kvstore_lru'])} | {fmt(o.get('kvstore_lru'))} | {'yes' if eq else '**no**'} |"
+            )
+    lines += ["", f"- Same hit rates at {same} of {total} points (both policies)."]
+    return "\n".join(lines)
 
 
 def _share(x: float) -> str:
