@@ -49,7 +49,9 @@ class CompactMembership(DaemonLife):
         for seg in d.segments.values():
             n = t.n_rows
             mine = np.flatnonzero(((t.flags[:n] & LIVE) != 0) & (t.seg[:n] == seg.ref))
-            for row in mine.tolist():
+            # In extent order, as the object index drops them: the cache policy's history
+            # takes their counts in that order.
+            for row in mine[np.argsort(t.off[mine], kind="stable")].tolist():
                 self._drop(row, free=False)
             seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
             t.forget_segment(seg.ref)

@@ -26,7 +26,7 @@ from kvstore.meta.counts import EPOCH_SHIFT, AdaptiveCounts, aged, until
 from kvstore.meta.duel import MAX_COUNT, SAMPLE
 from kvstore.meta.table import LIVE, BlockTable, words
 
-_U8 = np.uint64(EPOCH_SHIFT)
+_SHIFT = np.uint64(EPOCH_SHIFT)
 _LOW = np.uint64(MAX_COUNT)
 
 
@@ -99,7 +99,7 @@ def _oldest_worth(t: BlockTable, seg_ref: int, want: int, at_least: int = 1) -> 
 def _aged(freq: np.ndarray, epoch: int) -> np.ndarray:
     """Packed counts (``epoch << 8 | count``) aged to ``epoch``: :func:`kvstore.meta.counts.aged`
     over a column."""
-    shift = np.minimum(np.uint64(8), np.uint64(epoch) - (freq >> _U8))
+    shift = np.minimum(np.uint64(8), np.uint64(epoch) - (freq >> _SHIFT))
     return (freq & _LOW) >> shift
 
 
@@ -142,9 +142,10 @@ class TableAdaptive(AdaptiveCounts, TableLru):
         self.table.freq[rows] = freqs
 
     def gave_up(self, keys: list[bytes], freqs: list[int]) -> None:
-        self._entering = 0
-        for k, f in zip(keys, freqs):
+        for k, f in zip(keys, freqs):  # one at a time, as the object index drops its entries
             self._to_history(k, f)
+            self._entering -= 1
+        self._entering = 0
 
     def leaving(self, row: int) -> None:
         self._to_history(self.table.key(row), int(self.table.freq[row]))
@@ -155,6 +156,8 @@ class TableAdaptive(AdaptiveCounts, TableLru):
         return aged(int(self.table.freq[row]), self.epoch) if row >= 0 else self._historyaged(key)
 
     def victim(self, seg_ref: int) -> int:
+        if not len(self.table.oldest_batch(seg_ref, 1)):
+            return -1  # nothing evictable: not asked, as the object index does not ask its policy
         self.drain()
         self.duel.free = False
         if self.second_chance_mode:

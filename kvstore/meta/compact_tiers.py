@@ -133,7 +133,7 @@ class CompactTierMoves:
             length = int(t.length[row])
             size = extent_size(length, ssd.align)
             if size > ssd.alloc.capacity:
-                break  # no eviction on SSD makes room for it
+                continue  # no eviction on SSD makes room for it
             off = self._room_in(ssd, size)
             if off is None:
                 break  # SSD full of leased, pinned or in-flight blocks

@@ -113,7 +113,8 @@ class DaemonLink:
         self._invalidate_failing: set[str] = set()
         # Tombstones sent with heartbeats, per daemon: (batch id, items), until acknowledged.
         self._inflight: dict[str, tuple[int, list[Tombstone]]] = {}
-        # Tombstones a flush has taken, per daemon: batch id -> items, until its call ends.
+        # Tombstones a flush has taken, per daemon: batch id -> items, until its calls end (or
+        # the flush is cancelled: then they go back to the index).
         self._flushing: dict[str, dict[int, list[Tombstone]]] = {}
         self._batches = itertools.count(1)
         self._local: dict[str, _LocalDaemon] = {}
@@ -219,18 +220,22 @@ class DaemonLink:
         for did, items in taken.items():
             batches[did] = b = next(self._batches)
             self._flushing.setdefault(did, {})[b] = items
-        results = await asyncio.gather(*(self._invalidate(did, items) for did, items in taken.items()))
-        failed = set()
-        for (did, items), ok in zip(taken.items(), results):
-            mine = self._flushing.get(did, {})
-            if mine.pop(batches[did], None) is None:
-                failed.add(did)  # requeued meanwhile: back with the index, to go out again
-                continue
-            if not mine:
-                self._flushing.pop(did, None)
-            if not ok:
-                failed.add(did)
-                self.index.return_tombstones(did, items)
+        try:
+            results = await asyncio.gather(*(self._invalidate(did, items) for did, items in taken.items()))
+        except BaseException:  # cancelled (the handler's caller went away): nothing is known applied
+            results = [False] * len(taken)
+            raise
+        finally:
+            failed = set()
+            for (did, items), ok in zip(taken.items(), results):
+                mine = self._flushing.get(did, {})
+                mine_now = mine.pop(batches[did], None) is not None
+                if not mine:
+                    self._flushing.pop(did, None)
+                if not ok:
+                    failed.add(did)
+                    if mine_now:  # else requeued meanwhile: back with the index already
+                        self.index.return_tombstones(did, items)
         return failed
 
     async def _invalidate(self, daemon_id: str, items: list[Tombstone]) -> bool:

@@ -222,7 +222,9 @@ class Membership(DaemonLife):
         for mid in [m for m, mv in self.moves.items() if mv.src.segment.daemon is d]:
             self.finish_move(mid, False)
         for seg in d.segments.values():
-            for r in list(seg.replicas):
+            # In extent order (a set has none of its own): the cache policy's history takes
+            # their counts in that order, on both indexes.
+            for r in sorted(seg.replicas, key=lambda r: r.offset):
                 self._drop_replica(r, free=False)
             seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
 

@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from kvstore.errors import ResourceExhausted
 from kvstore.extent import ALIGN
 from kvstore.meta import counts as cnt
 from kvstore.meta import duel as du
@@ -730,3 +731,16 @@ def test_leaving_second_chance_keeps_chain_order(after: int):
     request(idx, 13)
     assert k(1) not in idx.entries or k(0) in idx.entries, "1 stored without 0"
     idx.check_integrity()
+
+
+def test_a_put_with_nothing_evictable_leaves_the_mode_free():
+    """Until the index first evicts, the mode is free to follow the evidence (the duel's
+    ``free``); a put that finds nothing it may evict (all being written) evicts nothing."""
+    idx = make(slots=2)
+    r = idx.put_start(pk(0, 1), [BLK, BLK])  # both slots being written
+    with pytest.raises(ResourceExhausted):
+        idx.put_start(pk(5), [BLK])
+    assert idx.policy.duel.free
+    idx.put_commit(r.put_id, [7, 7])
+    store(idx, 6)  # evicts: the mode is no longer free
+    assert not idx.policy.duel.free

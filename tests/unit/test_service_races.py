@@ -190,3 +190,29 @@ def test_a_daemon_registering_again_while_its_tombstones_are_in_flight_does_not_
         ix.check_integrity()
 
     asyncio.run(run())
+
+
+def test_a_cancelled_flush_gives_its_tombstones_back() -> None:
+    # A handler whose caller went away is cancelled while its flush waits on a daemon: the
+    # tombstones it took go back to the index (to go out with the next flush or heartbeat),
+    # not into a batch nobody will finish.
+    async def run() -> None:
+        ix = CompactIndex(IndexLimits(cache_policy="lru"))
+        ix.register_daemon(dram("D", "h1", 8), {})
+        p = ix.put_start(K[0], [BLK])
+        ix.put_commit(p.put_id, [5])
+        gone, log = asyncio.Event(), []
+        link = DaemonLink(ix, 1.0)
+        daemon = Local("D", log)
+        daemon.control = Unreachable("D", log, gone)
+        link.attach_local("D", daemon)
+        assert ix.remove(K[0]) == 1
+        flush = asyncio.ensure_future(link.flush())
+        await asyncio.sleep(0.01)
+        assert not ix.tombstones.get("D")  # taken, in flight
+        flush.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await flush
+        assert [t.key for t in ix.tombstones["D"]] == [K[0]] and not link._flushing
+
+    asyncio.run(run())
