@@ -661,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--suffix-put", action="store_true", help="also run kvstore with a suffix-only put")
     ap.add_argument(
         "--index", choices=("object", "compact"), default="object",
-        help="the index layout kvstore runs on (compact: results go to policy_compact.json, RESULTS.md is left)",
+        help="the index layout kvstore runs on (compact: results go to policy_compact.json and RESULTS.md's policy_compact section)",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/policy.json")
     ap.add_argument("--no-report", action="store_true", help="do not rewrite bench/RESULTS.md")

@@ -153,20 +153,19 @@ class TableAdaptive(AdaptiveCounts, TableLru):
     def count(self, key: bytes) -> int:
         self.drain()
         row = int(self.table.find(words(key))[0])
-        return aged(int(self.table.freq[row]), self.epoch) if row >= 0 else self._historyaged(key)
+        return aged(int(self.table.freq[row]), self.epoch) if row >= 0 else self._history_count(key)
 
     def victim(self, seg_ref: int) -> int:
-        if not len(self.table.oldest_batch(seg_ref, 1)):
+        oldest = self.table.oldest_batch(seg_ref, 1)
+        if not len(oldest):
             return -1  # nothing evictable: not asked, as the object index does not ask its policy
         self.drain()
         self.duel.free = False
         if self.second_chance_mode:
             return self._second_chance(seg_ref)
         if not self.frequency_mode:
-            return self.table.oldest(seg_ref)
+            return int(oldest[0])
         rows = self.table.oldest_batch(seg_ref, SAMPLE)
-        if not len(rows):
-            return -1
         counts = np.maximum(_aged(self.table.freq[rows], self.epoch), np.uint64(1))
         return int(rows[int(np.argmin(counts))])  # the first least counted: the oldest of them
 

@@ -134,7 +134,7 @@ class AdaptiveCounts:
             if len(self.history) > self._history_limit():
                 self.history.popitem(last=False)
 
-    def _historyaged(self, key: bytes) -> int:
+    def _history_count(self, key: bytes) -> int:
         old = self.history.get(key)
         return aged(old, self.epoch) if old is not None else 0
 

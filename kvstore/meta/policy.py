@@ -162,7 +162,7 @@ class AdaptivePolicy(AdaptiveCounts, LruPolicy):
     def count(self, key: bytes) -> int:
         self.drain()
         e = self.entries.get(key)
-        return aged(e.freq, self.epoch) if e is not None else self._historyaged(key)
+        return aged(e.freq, self.epoch) if e is not None else self._history_count(key)
 
     def pick(self, candidates: Iterator[Replica]) -> Replica | None:
         self.drain()

@@ -343,9 +343,9 @@ class BlockTable:
 
     def oldest_batch(self, seg_ref: int, k: int) -> np.ndarray:
         """The ``k`` least recently used evictable rows of segment ``seg_ref`` (fewer if there
-        are not so many), oldest first: the first ``k`` that :meth:`oldest` would give in turn, vectorised over the
-        segment's list of oldest rows (which it moves past the rows no longer on it, and makes
-        anew, from the whole table, when fewer than ``k`` are left on it)."""
+        are not so many), oldest first: the first ``k`` that :meth:`oldest` would give in turn,
+        vectorised over the segment's list of oldest rows (which it moves past the rows no
+        longer on it, and makes anew, from the whole table, when fewer than ``k`` are left)."""
         for fresh in (False, True):
             if fresh:  # (a pass of the usual size, at least four batches' worth)
                 rows, stamps = self._oldest_pass(seg_ref, 0 if 4 * k <= 256 else 4 * k)
