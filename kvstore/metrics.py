@@ -120,6 +120,10 @@ DAEMON_COUNTERS = (
         "stale_epoch_refused",
         "Control calls refused because they came from a metadata shard's former leader (older epoch)",
     ),
+    (
+        "stale_registration_refused",
+        "Control calls refused because they were made for an earlier registration of this daemon",
+    ),
     ("heartbeat_failures", "Heartbeats that failed (service unreachable or an error)"),
     ("commits", "Blocks committed at the service's request"),
     ("invalidations", "Blocks dropped at the service's request"),

@@ -11,12 +11,19 @@ Fencing: at each registration the link learns its shard's leader epoch. The daem
 control calls (commit, invalidate, move) of that shard that carry another epoch, and when the
 epoch changes the link signs that shard's data-port tickets with a new key, so tickets a stale
 leader hands out are refused too (:meth:`kvstore.daemon.server.CacheDaemon.ticket_key_for`).
+Each registration also gets a number of its own (:func:`new_registration`, made before its
+inventory is taken) that the service puts in every control call it makes for it: a call made
+for an earlier registration (queued across a restart of the daemon, or made before its lease
+lapsed) is refused, so it cannot write an extent the new registration handed to another block.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import grpc
@@ -76,6 +83,11 @@ def shard_inventory(invs: list[common_pb2.Inventory], sizes: dict[int, tuple[int
     return out
 
 
+def new_registration() -> int:
+    """A registration number: 64 random bits, never 0 (0 marks a call that is not checked)."""
+    return secrets.randbits(64) or 1
+
+
 class MetaLink:
     """Registration with and heartbeats to one shard's leader."""
 
@@ -91,6 +103,12 @@ class MetaLink:
         # Data-port tickets and control calls are signed with this link's key, made anew at each
         # registration (register()); until the first, one that no service knows.
         self.ticket_key = tickets.new_key()
+        # The number of the registration control calls must be made for (register()); until
+        # the first, one that no service knows, so that none is served before it.
+        self.registration = new_registration()
+        self._serving = 0  # control calls of this shard being carried out (serving())
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.registered = False  # registered with the current leader (and not forgotten since)
         # Whether that leader signs tickets (and control calls) with our key: None until it said.
         self.tickets: bool | None = None
@@ -101,6 +119,19 @@ class MetaLink:
         self.lease_ttl = 3.0  # the service's daemon lease, learnt at registration
         self.failures = 0
         self.task: asyncio.Task | None = None
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Around a control call of this shard that passed its checks: a registration waits
+        until none is left (see register())."""
+        self._serving += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._serving -= 1
+            if not self._serving:
+                self._idle.set()
 
     @property
     def ok(self) -> bool:
@@ -139,6 +170,13 @@ class MetaLink:
     async def register(self) -> float:
         assert self.stub is not None
         d = self.d
+        # A new registration from here on: calls made for the one before (queued across our
+        # restart or a lapse of our lease) are refused while the inventory is taken and after,
+        # so none can commit, move or drop a block behind the inventory's back, or write an
+        # extent this registration hands to another block. The service ends what it planned on
+        # the old one as it takes the new.
+        self.registration = new_registration()
+        await self._idle.wait()  # those already past the check end first (a move: at its next block)
         invs, discarded = await asyncio.to_thread(d.inventory, True)
         invs = shard_inventory(invs, d.segment_sizes(), self.shard, self.shards)
         # A key of this registration only: tickets handed out before it (by an earlier leader,
@@ -149,7 +187,10 @@ class MetaLink:
         # read tickets go too: they read those blocks once more through a lease.)
         key = tickets.new_key()
         resp = await self.stub.RegisterDaemon(
-            meta_pb2.RegisterDaemonRequest(daemon=d.info(), inventory=invs, ticket_key=key), timeout=30
+            meta_pb2.RegisterDaemonRequest(
+                daemon=d.info(), inventory=invs, ticket_key=key, registration=self.registration
+            ),
+            timeout=30,
         )
         if (resp.shards or 1) != self.shards or resp.shard != self.shard:  # 0: a service of before shards
             log.warning(

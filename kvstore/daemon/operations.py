@@ -54,9 +54,11 @@ class SegmentOps:
         self.counters = counters
         self.on_commit = on_commit  # told each committed generation (the data port spends its ticket)
 
-    def move(self, req: daemon_pb2.MoveRequest) -> daemon_pb2.MoveResponse:
+    def move(self, req: daemon_pb2.MoveRequest, current: Callable[[], bool] | None = None) -> daemon_pb2.MoveResponse:
         """Copies blocks between segments; a source that fails its check (key, generation,
-        checksum) is not copied. The copy is written committed, with its own generation."""
+        checksum) is not copied. The copy is written committed, with its own generation.
+        ``current``, asked before each block: whether the call still may act (it was made for
+        the daemon's current registration); once not, no further block is copied."""
         keys = unpack_keys(req.keys)
         n = len(keys)
         cols = (
@@ -73,6 +75,8 @@ class SegmentOps:
         for key, ss, so, ds, do, length, csum, sgen, dgen in zip(keys, *cols):
             src, dst = self.segments.get(ss), self.segments.get(ds)
             size = 0
+            if current is not None and not current():
+                src = dst = None  # registered again meanwhile: its targets may be another block's
             try:
                 if isinstance(src, ShmArena) and isinstance(dst, SsdSegment):
                     h = self.sealer.parse(src.view, so) if 0 <= so <= src.size - HEADER_SIZE else None

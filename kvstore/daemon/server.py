@@ -12,7 +12,10 @@
 - Registration: on start, and whenever the metadata service answers a heartbeat with "unknown"
   (it restarted, or our lease lapsed), the daemon registers again with a fresh scan of its
   segments (on a thread: the event loop keeps answering), so the index is rebuilt from what the
-  daemon really holds.
+  daemon really holds. Each registration has a number (:mod:`kvstore.daemon.links`) that the
+  service's control calls carry: calls made for an earlier one are refused, and those already
+  under way end (a batch of moves at its next block) before the scan, so that none acts behind
+  the inventory's back or on an extent the new registration handed to another block.
 - Health: NOT_SERVING until registered, while the service has not heard from it for a lease,
   after repeated unexpected failures of the heartbeat loop, and from the start of a drain.
 - Drain (:meth:`CacheDaemon.drain`, on SIGTERM): no more puts, its blocks leave the index at
@@ -117,20 +120,32 @@ class _Control:
         invs, discarded = await asyncio.to_thread(self.daemon.inventory, request.verify)
         return daemon_pb2.InventoryResponse(inventory=invs, discarded=discarded)
 
+    # Commit, Invalidate and Move run inside their link's serving(): a registration of the
+    # daemon with that shard waits for the calls made for the one before to end before it
+    # takes its inventory (kvstore.daemon.links.MetaLink.register).
+
     async def Move(self, request, context):
         self._check(context, "Move", request, request.shard)
-        self.daemon.check_epoch(request.shard, request.epoch)
-        return await asyncio.to_thread(self.daemon.move, request)
+        self.daemon.check_epoch(request.shard, request.epoch, request.registration)
+        link = self.daemon.links[request.shard]
+        reg = request.registration
+        with link.serving():
+            # A batch of moves is long (SSD writes): one made for a registration that has
+            # ended stops at its next block rather than hold the new one up.
+            current = (lambda: link.registration == reg) if reg else None
+            return await asyncio.to_thread(self.daemon.move, request, current)
 
     async def Commit(self, request, context):
         self._check(context, "Commit", request, request.shard)
-        self.daemon.check_epoch(request.shard, request.epoch)
-        return await self.daemon.run(self.daemon.commit, request)
+        self.daemon.check_epoch(request.shard, request.epoch, request.registration)
+        with self.daemon.links[request.shard].serving():
+            return await self.daemon.run(self.daemon.commit, request)
 
     async def Invalidate(self, request, context):
         self._check(context, "Invalidate", request, request.shard)
-        self.daemon.check_epoch(request.shard, request.epoch)
-        cleared = await self.daemon.run(self.daemon.invalidate, request.invalidations)
+        self.daemon.check_epoch(request.shard, request.epoch, request.registration)
+        with self.daemon.links[request.shard].serving():
+            cleared = await self.daemon.run(self.daemon.invalidate, request.invalidations)
         return daemon_pb2.InvalidateResponse(cleared=cleared)
 
 
@@ -319,9 +334,12 @@ class CacheDaemon:
         with several shards: ticket_key_for tells them apart)."""
         return self.links[0].ticket_key if len(self.links) == 1 else None
 
-    def check_epoch(self, shard: int, epoch: int) -> None:
-        """A control call of shard ``shard``'s leader at ``epoch``: refused unless that is the
-        leader this daemon registered with (a stale leader changes nothing)."""
+    def check_epoch(self, shard: int, epoch: int, registration: int = 0) -> None:
+        """A control call of shard ``shard``'s leader at ``epoch``, made for ``registration``:
+        refused unless that is the leader this daemon registered with (a stale leader changes
+        nothing) and, where the call names one (the service always does; 0: a call made by
+        hand), this daemon's current registration with it (a call made before the daemon
+        registered again, queued across its restart or a lapse of its lease, changes nothing)."""
         link = self.links[shard] if 0 <= shard < len(self.links) else None
         if link is None:
             raise InvalidArgument(f"shard {shard}: this daemon knows shards 0..{len(self.links) - 1}")
@@ -331,6 +349,12 @@ class CacheDaemon:
             self.counters["stale_epoch_refused"] += 1
             raise Expired(
                 f"shard {shard}: epoch {epoch} is not the leader this daemon registered with (epoch {link.epoch})"
+            )
+        if registration and registration != link.registration:
+            self.counters["stale_registration_refused"] += 1
+            raise Expired(
+                f"shard {shard}: the call was made for registration {registration:#x} of this daemon, "
+                f"not its current one (it has registered since, or not yet)"
             )
 
     @property

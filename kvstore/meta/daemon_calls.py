@@ -78,6 +78,7 @@ class DaemonCalls:
                 for s in info.segments
             ),
             key,
+            request.registration,
         )
         # A big inventory (hundreds of thousands of blocks) is decoded on a thread and adopted
         # in steps, so that heartbeats and requests are served meanwhile.

@@ -140,6 +140,13 @@ class DaemonLink:
             cached = self._stubs[daemon_id] = (addr, ch, daemon_pb2_grpc.DaemonControlStub(ch))
         return cached[2]
 
+    def _registration(self, daemon_id: str) -> int:
+        """The daemon's registration as the index knows it now: a call made for it is refused by
+        the daemon once it has registered again (the index ends what it planned on the old one
+        at that point, and its extents may be handed to other blocks)."""
+        d = self.index.daemons.get(daemon_id)
+        return d.spec.registration if d is not None else 0
+
     def _signed(self, daemon_id: str, method: str, request) -> tuple[tuple[str, str], ...]:  # noqa: ANN001
         """Metadata that signs a control call with the daemon's ticket key, so that a daemon
         without mutual TLS obeys this service alone (:func:`kvstore.tickets.sign_control`);
@@ -176,6 +183,7 @@ class DaemonLink:
         req = daemon_pb2.CommitRequest(
             shard=self.shard,
             epoch=self.epoch,
+            registration=self._registration(daemon_id),
             keys=b"".join(r.key for r in reps),
             segment=pack([r.segment.spec.segment_id for r in reps], U32),
             offset=pack([r.offset for r in reps], U64),
@@ -244,7 +252,10 @@ class DaemonLink:
             return False
         try:
             req = daemon_pb2.InvalidateRequest(
-                shard=self.shard, epoch=self.epoch, invalidations=invalidations_pb(items)
+                shard=self.shard,
+                epoch=self.epoch,
+                registration=self._registration(daemon_id),
+                invalidations=invalidations_pb(items),
             )
             await stub.Invalidate(req, timeout=self.rpc_timeout_s, metadata=self._signed(daemon_id, "Invalidate", req))
         except _FAILED as e:
@@ -306,6 +317,7 @@ class DaemonLink:
         req = daemon_pb2.MoveRequest(
             shard=self.shard,
             epoch=self.epoch,
+            registration=self._registration(daemon_id),
             keys=b"".join(mv.src.key for mv in moves),
             src_segment=pack([mv.src.segment.spec.segment_id for mv in moves], U32),
             src_offset=pack([mv.src.offset for mv in moves], U64),

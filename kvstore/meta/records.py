@@ -64,6 +64,9 @@ class DaemonSpec:
     segments: tuple[SegmentSpec, ...]
     # The key this daemon's data-port tickets are signed with (kvstore.tickets); empty: none.
     ticket_key: bytes = b""
+    # The number the daemon made for this registration, carried by every control call made for
+    # it (the daemon refuses those of an earlier one); 0: a daemon that checks none.
+    registration: int = 0
 
 
 class InventoryItem(NamedTuple):

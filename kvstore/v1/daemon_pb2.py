@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstore.v1 import common_pb2 as kvstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstore/v1/daemon.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"\x8b\x01\n\rCommitRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x0f\n\x07segment\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x0c\x12\x0e\n\x06length\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x0c\x12\x0b\n\x03gen\x18\x06 \x01(\x0c\x12\r\n\x05shard\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"5\n\x0e\x43ommitResponse\x12\x0e\n\x06status\x18\x01 \x01(\x0c\x12\x13\n\x0bstored_size\x18\x02 \x01(\x0c\"b\n\x11InvalidateRequest\x12/\n\rinvalidations\x18\x01 \x03(\x0b\x32\x18.kvstore.v1.Invalidation\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"%\n\x12InvalidateResponse\x12\x0f\n\x07\x63leared\x18\x01 \x01(\x04\"\xcf\x01\n\x0bMoveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x13\n\x0bsrc_segment\x18\x02 \x01(\x0c\x12\x12\n\nsrc_offset\x18\x03 \x01(\x0c\x12\x13\n\x0b\x64st_segment\x18\x04 \x01(\x0c\x12\x12\n\ndst_offset\x18\x05 \x01(\x0c\x12\x0e\n\x06length\x18\x06 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x0c\x12\x0f\n\x07src_gen\x18\x08 \x01(\x0c\x12\x0f\n\x07\x64st_gen\x18\t \x01(\x0c\x12\r\n\x05shard\x18\n \x01(\r\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\"/\n\x0cMoveResponse\x12\n\n\x02ok\x18\x01 \x01(\x0c\x12\x13\n\x0bstored_size\x18\x02 \x01(\x0c\"\r\n\x0bInfoRequest\"\"\n\x10InventoryRequest\x12\x0e\n\x06verify\x18\x01 \x01(\x08\"P\n\x11InventoryResponse\x12(\n\tinventory\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.Inventory\x12\x11\n\tdiscarded\x18\x02 \x01(\x04\x32\xde\x02\n\rDaemonControl\x12\x37\n\x04Info\x12\x17.kvstore.v1.InfoRequest\x1a\x16.kvstore.v1.DaemonInfo\x12K\n\x0cGetInventory\x12\x1c.kvstore.v1.InventoryRequest\x1a\x1d.kvstore.v1.InventoryResponse\x12\x39\n\x04Move\x12\x17.kvstore.v1.MoveRequest\x1a\x18.kvstore.v1.MoveResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12K\n\nInvalidate\x12\x1d.kvstore.v1.InvalidateRequest\x1a\x1e.kvstore.v1.InvalidateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstore/v1/daemon.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"\xa1\x01\n\rCommitRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x0f\n\x07segment\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x0c\x12\x0e\n\x06length\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x0c\x12\x0b\n\x03gen\x18\x06 \x01(\x0c\x12\r\n\x05shard\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x14\n\x0cregistration\x18\t \x01(\x06\"5\n\x0e\x43ommitResponse\x12\x0e\n\x06status\x18\x01 \x01(\x0c\x12\x13\n\x0bstored_size\x18\x02 \x01(\x0c\"x\n\x11InvalidateRequest\x12/\n\rinvalidations\x18\x01 \x03(\x0b\x32\x18.kvstore.v1.Invalidation\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cregistration\x18\x04 \x01(\x06\"%\n\x12InvalidateResponse\x12\x0f\n\x07\x63leared\x18\x01 \x01(\x04\"\xe5\x01\n\x0bMoveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x13\n\x0bsrc_segment\x18\x02 \x01(\x0c\x12\x12\n\nsrc_offset\x18\x03 \x01(\x0c\x12\x13\n\x0b\x64st_segment\x18\x04 \x01(\x0c\x12\x12\n\ndst_offset\x18\x05 \x01(\x0c\x12\x0e\n\x06length\x18\x06 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x0c\x12\x0f\n\x07src_gen\x18\x08 \x01(\x0c\x12\x0f\n\x07\x64st_gen\x18\t \x01(\x0c\x12\r\n\x05shard\x18\n \x01(\r\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x14\n\x0cregistration\x18\x0c \x01(\x06\"/\n\x0cMoveResponse\x12\n\n\x02ok\x18\x01 \x01(\x0c\x12\x13\n\x0bstored_size\x18\x02 \x01(\x0c\"\r\n\x0bInfoRequest\"\"\n\x10InventoryRequest\x12\x0e\n\x06verify\x18\x01 \x01(\x08\"P\n\x11InventoryResponse\x12(\n\tinventory\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.Inventory\x12\x11\n\tdiscarded\x18\x02 \x01(\x04\x32\xde\x02\n\rDaemonControl\x12\x37\n\x04Info\x12\x17.kvstore.v1.InfoRequest\x1a\x16.kvstore.v1.DaemonInfo\x12K\n\x0cGetInventory\x12\x1c.kvstore.v1.InventoryRequest\x1a\x1d.kvstore.v1.InventoryResponse\x12\x39\n\x04Move\x12\x17.kvstore.v1.MoveRequest\x1a\x18.kvstore.v1.MoveResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12K\n\nInvalidate\x12\x1d.kvstore.v1.InvalidateRequest\x1a\x1e.kvstore.v1.InvalidateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.daemon_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMMITREQUEST']._serialized_start=65
-  _globals['_COMMITREQUEST']._serialized_end=204
-  _globals['_COMMITRESPONSE']._serialized_start=206
-  _globals['_COMMITRESPONSE']._serialized_end=259
-  _globals['_INVALIDATEREQUEST']._serialized_start=261
-  _globals['_INVALIDATEREQUEST']._serialized_end=359
-  _globals['_INVALIDATERESPONSE']._serialized_start=361
-  _globals['_INVALIDATERESPONSE']._serialized_end=398
-  _globals['_MOVEREQUEST']._serialized_start=401
-  _globals['_MOVEREQUEST']._serialized_end=608
-  _globals['_MOVERESPONSE']._serialized_start=610
-  _globals['_MOVERESPONSE']._serialized_end=657
-  _globals['_INFOREQUEST']._serialized_start=659
-  _globals['_INFOREQUEST']._serialized_end=672
-  _globals['_INVENTORYREQUEST']._serialized_start=674
-  _globals['_INVENTORYREQUEST']._serialized_end=708
-  _globals['_INVENTORYRESPONSE']._serialized_start=710
-  _globals['_INVENTORYRESPONSE']._serialized_end=790
-  _globals['_DAEMONCONTROL']._serialized_start=793
-  _globals['_DAEMONCONTROL']._serialized_end=1143
+  _globals['_COMMITREQUEST']._serialized_end=226
+  _globals['_COMMITRESPONSE']._serialized_start=228
+  _globals['_COMMITRESPONSE']._serialized_end=281
+  _globals['_INVALIDATEREQUEST']._serialized_start=283
+  _globals['_INVALIDATEREQUEST']._serialized_end=403
+  _globals['_INVALIDATERESPONSE']._serialized_start=405
+  _globals['_INVALIDATERESPONSE']._serialized_end=442
+  _globals['_MOVEREQUEST']._serialized_start=445
+  _globals['_MOVEREQUEST']._serialized_end=674
+  _globals['_MOVERESPONSE']._serialized_start=676
+  _globals['_MOVERESPONSE']._serialized_end=723
+  _globals['_INFOREQUEST']._serialized_start=725
+  _globals['_INFOREQUEST']._serialized_end=738
+  _globals['_INVENTORYREQUEST']._serialized_start=740
+  _globals['_INVENTORYREQUEST']._serialized_end=774
+  _globals['_INVENTORYRESPONSE']._serialized_start=776
+  _globals['_INVENTORYRESPONSE']._serialized_end=856
+  _globals['_DAEMONCONTROL']._serialized_start=859
+  _globals['_DAEMONCONTROL']._serialized_end=1209
 # @@protoc_insertion_point(module_scope)

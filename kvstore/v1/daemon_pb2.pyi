@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CommitRequest(_message.Message):
-    __slots__ = ("keys", "segment", "offset", "length", "checksum", "gen", "shard", "epoch")
+    __slots__ = ("keys", "segment", "offset", "length", "checksum", "gen", "shard", "epoch", "registration")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class CommitRequest(_message.Message):
     GEN_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     segment: bytes
     offset: bytes
@@ -25,7 +26,8 @@ class CommitRequest(_message.Message):
     gen: bytes
     shard: int
     epoch: int
-    def __init__(self, keys: _Optional[bytes] = ..., segment: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., gen: _Optional[bytes] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    registration: int
+    def __init__(self, keys: _Optional[bytes] = ..., segment: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., gen: _Optional[bytes] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("status", "stored_size")
@@ -36,14 +38,16 @@ class CommitResponse(_message.Message):
     def __init__(self, status: _Optional[bytes] = ..., stored_size: _Optional[bytes] = ...) -> None: ...
 
 class InvalidateRequest(_message.Message):
-    __slots__ = ("invalidations", "shard", "epoch")
+    __slots__ = ("invalidations", "shard", "epoch", "registration")
     INVALIDATIONS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     invalidations: _containers.RepeatedCompositeFieldContainer[_common_pb2.Invalidation]
     shard: int
     epoch: int
-    def __init__(self, invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    registration: int
+    def __init__(self, invalidations: _Optional[_Iterable[_Union[_common_pb2.Invalidation, _Mapping]]] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class InvalidateResponse(_message.Message):
     __slots__ = ("cleared",)
@@ -52,7 +56,7 @@ class InvalidateResponse(_message.Message):
     def __init__(self, cleared: _Optional[int] = ...) -> None: ...
 
 class MoveRequest(_message.Message):
-    __slots__ = ("keys", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum", "src_gen", "dst_gen", "shard", "epoch")
+    __slots__ = ("keys", "src_segment", "src_offset", "dst_segment", "dst_offset", "length", "checksum", "src_gen", "dst_gen", "shard", "epoch", "registration")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SRC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +68,7 @@ class MoveRequest(_message.Message):
     DST_GEN_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     src_segment: bytes
     src_offset: bytes
@@ -75,7 +80,8 @@ class MoveRequest(_message.Message):
     dst_gen: bytes
     shard: int
     epoch: int
-    def __init__(self, keys: _Optional[bytes] = ..., src_segment: _Optional[bytes] = ..., src_offset: _Optional[bytes] = ..., dst_segment: _Optional[bytes] = ..., dst_offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., src_gen: _Optional[bytes] = ..., dst_gen: _Optional[bytes] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    registration: int
+    def __init__(self, keys: _Optional[bytes] = ..., src_segment: _Optional[bytes] = ..., src_offset: _Optional[bytes] = ..., dst_segment: _Optional[bytes] = ..., dst_offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., checksum: _Optional[bytes] = ..., src_gen: _Optional[bytes] = ..., dst_gen: _Optional[bytes] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class MoveResponse(_message.Message):
     __slots__ = ("ok", "stored_size")

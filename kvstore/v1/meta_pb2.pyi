@@ -22,14 +22,16 @@ PUT_NO_SPACE: PutStatus
 PUT_NOT_ADMITTED: PutStatus
 
 class RegisterDaemonRequest(_message.Message):
-    __slots__ = ("daemon", "inventory", "ticket_key")
+    __slots__ = ("daemon", "inventory", "ticket_key", "registration")
     DAEMON_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     TICKET_KEY_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     daemon: _common_pb2.DaemonInfo
     inventory: _containers.RepeatedCompositeFieldContainer[_common_pb2.Inventory]
     ticket_key: bytes
-    def __init__(self, daemon: _Optional[_Union[_common_pb2.DaemonInfo, _Mapping]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.Inventory, _Mapping]]] = ..., ticket_key: _Optional[bytes] = ...) -> None: ...
+    registration: int
+    def __init__(self, daemon: _Optional[_Union[_common_pb2.DaemonInfo, _Mapping]] = ..., inventory: _Optional[_Iterable[_Union[_common_pb2.Inventory, _Mapping]]] = ..., ticket_key: _Optional[bytes] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class RegisterDaemonResponse(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "lease_ttl_ms", "rejected", "tickets", "shard", "shards", "epoch")
