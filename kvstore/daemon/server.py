@@ -29,6 +29,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from pathlib import Path
 
 import grpc
@@ -129,24 +130,36 @@ class _Control:
         self.daemon.check_epoch(request.shard, request.epoch, request.registration)
         link = self.daemon.links[request.shard]
         reg = request.registration
-        with link.serving():
-            # A batch of moves is long (SSD writes): one made for a registration that has
-            # ended stops at its next block rather than hold the new one up.
-            current = (lambda: link.registration == reg) if reg else None
-            return await asyncio.to_thread(self.daemon.move, request, current)
+        # A batch of moves is long (SSD writes): one made for a registration that has ended
+        # stops at its next block rather than hold the new one up.
+        current = (lambda: link.registration == reg) if reg else None
+        return await _to_the_end(link, asyncio.to_thread(self.daemon.move, request, current))
 
     async def Commit(self, request, context):
         self._check(context, "Commit", request, request.shard)
         self.daemon.check_epoch(request.shard, request.epoch, request.registration)
-        with self.daemon.links[request.shard].serving():
-            return await self.daemon.run(self.daemon.commit, request)
+        return await _to_the_end(self.daemon.links[request.shard], self.daemon.run(self.daemon.commit, request))
 
     async def Invalidate(self, request, context):
         self._check(context, "Invalidate", request, request.shard)
         self.daemon.check_epoch(request.shard, request.epoch, request.registration)
-        with self.daemon.links[request.shard].serving():
-            cleared = await self.daemon.run(self.daemon.invalidate, request.invalidations)
+        link = self.daemon.links[request.shard]
+        cleared = await _to_the_end(link, self.daemon.run(self.daemon.invalidate, request.invalidations))
         return daemon_pb2.InvalidateResponse(cleared=cleared)
+
+
+async def _to_the_end(link: MetaLink, work: Coroutine):  # noqa: ANN202
+    """Carries out a control call's ``work`` inside its link's serving(), until the work has
+    ended: a handler cancelled meanwhile (its caller's deadline passed, or it went away) does
+    not stop a thread already running it, so the call counts as under way until that thread is
+    done, and a registration does not take its inventory before."""
+    with link.serving():
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait({task})
+            raise
 
 
 class CacheDaemon:

@@ -141,9 +141,12 @@ class DaemonLink:
         return cached[2]
 
     def _registration(self, daemon_id: str) -> int:
-        """The daemon's registration as the index knows it now: a call made for it is refused by
-        the daemon once it has registered again (the index ends what it planned on the old one
-        at that point, and its extents may be handed to other blocks)."""
+        """The daemon's registration as the index knows it now, for calls that hold for any
+        registration (tombstones: applying one twice is harmless, and those of an earlier one
+        are handed to the new one). A call planned on the index's blocks carries the number of
+        the registration its blocks belong to instead (each registration is a new Daemon):
+        once the daemon has registered again the index has ended those, their extents may be
+        another block's, and the daemon refuses the call."""
         d = self.index.daemons.get(daemon_id)
         return d.spec.registration if d is not None else 0
 
@@ -177,13 +180,16 @@ class DaemonLink:
     ) -> dict[int, tuple[int, int]]:
         unavailable = {i: (int(CommitStatus.UNAVAILABLE), 0) for i, _ in items}
         stub = self._stub(daemon_id)
-        if stub is None:
+        # Only blocks the index still has (a registration of the daemon since commit() looked
+        # ended them), for the registration they were placed on.
+        items = [(i, r) for i, r in items if r.live]
+        if stub is None or not items:
             return unavailable
         reps = [r for _, r in items]
         req = daemon_pb2.CommitRequest(
             shard=self.shard,
             epoch=self.epoch,
-            registration=self._registration(daemon_id),
+            registration=reps[0].segment.daemon.spec.registration,
             keys=b"".join(r.key for r in reps),
             segment=pack([r.segment.spec.segment_id for r in reps], U32),
             offset=pack([r.offset for r in reps], U64),
@@ -199,7 +205,7 @@ class DaemonLink:
             reason = _failed(e)
             log.warning("event=commit_failed daemon=%s blocks=%d reason=%s", daemon_id, len(items), reason)
             return unavailable
-        return {i: (st, sz) for (i, _), st, sz in zip(items, status, stored)}
+        return unavailable | {i: (st, sz) for (i, _), st, sz in zip(items, status, stored)}
 
     # ---- tombstones -------------------------------------------------------------------------
 
@@ -317,7 +323,7 @@ class DaemonLink:
         req = daemon_pb2.MoveRequest(
             shard=self.shard,
             epoch=self.epoch,
-            registration=self._registration(daemon_id),
+            registration=moves[0].src.segment.daemon.spec.registration,  # the one they were planned on
             keys=b"".join(mv.src.key for mv in moves),
             src_segment=pack([mv.src.segment.spec.segment_id for mv in moves], U32),
             src_offset=pack([mv.src.offset for mv in moves], U64),

@@ -142,13 +142,15 @@ async def test_control_calls_for_another_registration_are_refused_and_unchecked_
         await daemon.stop()
 
 
+@pytest.mark.parametrize("cancelled", [False, True], ids=["answered", "caller-gone"])
 async def test_a_move_under_way_when_the_daemon_registers_again_stops_and_the_inventory_waits_for_it(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, cancelled
 ):
     """A batch of moves that passed its checks is carried out on a thread; when the daemon
     registers again meanwhile (its lease lapsed), the batch stops at its next block and the
     registration takes its inventory only once the batch has ended, so the inventory holds
-    exactly what the daemon holds and the service adopts every block the move wrote."""
+    exactly what the daemon holds and the service adopts every block the move wrote. Also when
+    the caller went away first (its deadline passed): the thread goes on, and so does the wait."""
     entered, go = threading.Event(), threading.Event()
     original = SsdSegment.write
 
@@ -190,12 +192,18 @@ async def test_a_move_under_way_when_the_daemon_registers_again_stops_and_the_in
         async with grpc.aio.insecure_channel(f"127.0.0.1:{daemon.control_port}") as ch:
             move = asyncio.ensure_future(daemon_pb2_grpc.DaemonControlStub(ch).Move(req, timeout=60))
             await until(entered.is_set)  # the first block's copy is being written
+            if cancelled:
+                move.cancel()
             link.need_register = True  # as after a lapse of its lease
             await asyncio.sleep(0.5)
             assert daemon.counters["registrations"] == 1  # waiting for the batch
             go.set()
-            resp = await move
-        assert unpack(resp.ok, U8, "ok", 3) == [1, 0, 0]  # stopped at its next block
+            if cancelled:
+                with pytest.raises(asyncio.CancelledError):
+                    await move
+            else:
+                resp = await move
+                assert unpack(resp.ok, U8, "ok", 3) == [1, 0, 0]  # stopped at its next block
         await until(lambda: daemon.counters["registrations"] == 2 and not link.need_register)
 
         # The inventory was taken after the copy: the service knows every block the daemon holds.

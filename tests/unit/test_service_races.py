@@ -33,6 +33,7 @@ class Control:
         keys = unpack_keys(req.keys)
         sums = unpack(req.checksum, U64, "checksum", len(keys))
         self.log += [("commit", self.name, k, c) for k, c in zip(keys, sums)]
+        self.log.append(("commit_for", self.name, req.registration))
         return daemon_pb2.CommitResponse(status=pack([0] * len(keys), U8), stored_size=pack([0] * len(keys), U64))
 
     async def Move(self, req, ctx):  # noqa: ANN001, ANN201, N802
@@ -100,6 +101,33 @@ def test_a_commit_whose_daemon_leaves_before_it_is_asked_ends_every_block() -> N
         r = await commit  # no untyped error
         assert unpack(r.status, U8, "status") == [4, 0]
         assert ix.put_start(K[3], [BLK]).status == [1]  # stored: not left "being written"
+        ix.check_integrity()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["object", "compact"])
+def test_a_commit_planned_before_its_daemon_registers_again_is_made_for_the_old_registration(kind: str) -> None:
+    """The daemon refuses a call made for a registration it has left (kvstore.daemon.links): a
+    commit whose blocks were placed before the daemon registered again must name the
+    registration they were placed on, not the one the index knows by the time it is sent."""
+
+    async def run() -> None:
+        log: list = []
+        ix = (CompactIndex if kind == "compact" else Index)(IndexLimits(cache_policy="lru"))
+        spec = DaemonSpec("D", "h1", "D:d", "D:c", dram("D", "h1", 4).segments, registration=111)
+        ix.register_daemon(spec, {})
+        link = DaemonLink(ix, 1.0)
+        link.attach_local("D", Local("D", log))
+        sv = MetaServicer(ix, link, tickets=False)
+        p = await sv.PutStart(meta_pb2.PutStartRequest(keys=K[0], sizes=pack([BLK], U64), host_id="h1"), None)
+        commit = asyncio.ensure_future(
+            sv.PutCommit(meta_pb2.PutCommitRequest(put_id=p.put_id, checksums=pack([5], U64)), None)
+        )
+        await asyncio.sleep(0)  # the commit has begun, its daemon not asked yet
+        ix.register_daemon(DaemonSpec("D", "h1", "D:d", "D:c", spec.segments, registration=222), {})
+        await commit
+        assert [x[2] for x in log if x[0] == "commit_for"] in ([], [111])  # never the new one
         ix.check_integrity()
 
     asyncio.run(run())
