@@ -18,7 +18,8 @@ Where it differs, by design:
   used blocks to its SSD and blocks read from SSD are promoted back (:mod:`.compact_tiers`: the
   row moves with the block, and a promoted block keeps no SSD copy). Eviction, admission and
   demotion order are the cache policy's, as on the object index, its state in columns of the
-  table (:mod:`.compact_policy`); a DRAM victim is dropped, not demoted first.
+  table (:mod:`.compact_policy`). A put makes no room by eviction in the DRAM of a daemon
+  with an SSD (its blocks there have no other copy): it evicts on the SSD instead.
 - Locations come back as rows of the table; :meth:`location_rows` packs them as the wire's
   location rows in one call, :meth:`locations` spells them out (as the service does for its
   answers).

@@ -136,13 +136,20 @@ class CompactWrites:
     def _allocate(self, segments: list[Segment], length: int, key: bytes) -> tuple[Segment, int] | object | None:
         """Room for a block: free space in the first segment that has it, else space made by
         eviction (the cache policy's victims), preferred segment first. None: nothing can be
-        evicted; ``DECLINED``: the policy judged ``key`` colder than what it would evict."""
+        evicted; ``DECLINED``: the policy judged ``key`` colder than what it would evict.
+
+        No eviction makes room in the DRAM of a daemon that has an SSD: a block there has no
+        other copy (one replica per block), and its way out of DRAM is demotion, so room is made
+        on the SSD, where the least valuable blocks are (as on the object index, whose DRAM
+        victims there must already have an SSD copy)."""
         for seg in segments:
             off = seg.alloc.alloc(extent_size(length, seg.align))
             if off is not None:
                 return seg, off
         judge = [key]  # the policy judges the block once, against the first victim
         for seg in segments:
+            if seg.spec.tier == Tier.DRAM and seg.daemon.tier(Tier.SSD) is not None:
+                continue
             off = self._room_in(seg, extent_size(length, seg.align), judge)
             if off is DECLINED:
                 return DECLINED

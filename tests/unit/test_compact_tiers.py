@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.extent import ALIGN, HEADER_SIZE, SSD_ALIGN
 from kvstore.meta.compact import CompactIndex
-from kvstore.meta.index import DaemonSpec, IndexLimits, SegmentSpec, Tier
+from kvstore.meta.index import DaemonSpec, Index, IndexLimits, SegmentSpec, Tier
 from tests.unit.test_index import FakeClock
 
 BLK = ALIGN - HEADER_SIZE
@@ -268,3 +268,21 @@ def test_a_block_larger_than_the_ssd_is_not_demoted_and_evicts_nothing_there() -
     assert ix.plan_moves() == {}
     assert tiers_of(ix, 1, 2) == [1, 2] and ix.counters["evictions"] == 0
     ix.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_a_put_into_full_tiers_evicts_on_the_ssd_and_keeps_every_dram_block(policy: str) -> None:
+    """A block in DRAM has no other copy here: a put that finds DRAM and SSD full makes its
+    room on the SSD (its least valuable block leaves) and lands there, as on the object index,
+    whose DRAM victims must have an SSD copy; no DRAM block is lost to a put."""
+    seen = {}
+    for kind in (Index, CompactIndex):
+        ix = kind(IndexLimits(cache_policy=policy), FakeClock())
+        segs = (SegmentSpec(1, Tier.DRAM, 4 * ALIGN, "/dev/shm/d1"), SegmentSpec(2, Tier.SSD, 4 * SSD_ALIGN, "/d1"))
+        ix.register_daemon(DaemonSpec("d1", "h1", "d1:data", "d1:ctl", segs), {})
+        for i in range(1, 10):  # 1-4 fill DRAM, 5-8 the SSD, 9 finds both full
+            put(ix, i)
+        seen[kind] = tiers_of(ix, *range(1, 10))
+        assert ix.counters["evictions"] == 1
+        ix.check_integrity()
+    assert seen[CompactIndex] == seen[Index] == [1, 1, 1, 1, 0, 2, 2, 2, 2]
