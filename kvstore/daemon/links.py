@@ -22,8 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING
 
 import grpc
@@ -106,7 +105,7 @@ class MetaLink:
         # The number of the registration control calls must be made for (register()); until
         # the first, one that no service knows, so that none is served before it.
         self.registration = new_registration()
-        self._serving = 0  # control calls of this shard being carried out (serving())
+        self._serving = 0  # control calls of this shard being carried out (carry_out())
         self._idle = asyncio.Event()
         self._idle.set()
         self.registered = False  # registered with the current leader (and not forgotten since)
@@ -120,14 +119,19 @@ class MetaLink:
         self.failures = 0
         self.task: asyncio.Task | None = None
 
-    @contextmanager
-    def serving(self) -> Iterator[None]:
-        """Around a control call of this shard that passed its checks: a registration waits
-        until none is left (see register())."""
+    async def carry_out(self, work: Coroutine):  # noqa: ANN201
+        """Carries out ``work``, a control call of this shard that passed its checks, counted
+        as under way until it has ended: a registration waits until none is (see register()).
+        A handler cancelled meanwhile (its caller's deadline passed, or it went away) does not
+        stop a thread already running its work, so the wait covers that thread too."""
         self._serving += 1
         self._idle.clear()
+        task = asyncio.ensure_future(work)
         try:
-            yield
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait({task})
+            raise
         finally:
             self._serving -= 1
             if not self._serving:

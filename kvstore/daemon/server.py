@@ -29,7 +29,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
 from pathlib import Path
 
 import grpc
@@ -121,9 +120,9 @@ class _Control:
         invs, discarded = await asyncio.to_thread(self.daemon.inventory, request.verify)
         return daemon_pb2.InventoryResponse(inventory=invs, discarded=discarded)
 
-    # Commit, Invalidate and Move run inside their link's serving(): a registration of the
-    # daemon with that shard waits for the calls made for the one before to end before it
-    # takes its inventory (kvstore.daemon.links.MetaLink.register).
+    # Commit, Invalidate and Move are carried out through their link (MetaLink.carry_out): a
+    # registration of the daemon with that shard waits for the calls made for the one before
+    # to end before it takes its inventory (kvstore.daemon.links.MetaLink.register).
 
     async def Move(self, request, context):
         self._check(context, "Move", request, request.shard)
@@ -133,33 +132,19 @@ class _Control:
         # A batch of moves is long (SSD writes): one made for a registration that has ended
         # stops at its next block rather than hold the new one up.
         current = (lambda: link.registration == reg) if reg else None
-        return await _to_the_end(link, asyncio.to_thread(self.daemon.move, request, current))
+        return await link.carry_out(asyncio.to_thread(self.daemon.move, request, current))
 
     async def Commit(self, request, context):
         self._check(context, "Commit", request, request.shard)
         self.daemon.check_epoch(request.shard, request.epoch, request.registration)
-        return await _to_the_end(self.daemon.links[request.shard], self.daemon.run(self.daemon.commit, request))
+        return await self.daemon.links[request.shard].carry_out(self.daemon.run(self.daemon.commit, request))
 
     async def Invalidate(self, request, context):
         self._check(context, "Invalidate", request, request.shard)
         self.daemon.check_epoch(request.shard, request.epoch, request.registration)
         link = self.daemon.links[request.shard]
-        cleared = await _to_the_end(link, self.daemon.run(self.daemon.invalidate, request.invalidations))
+        cleared = await link.carry_out(self.daemon.run(self.daemon.invalidate, request.invalidations))
         return daemon_pb2.InvalidateResponse(cleared=cleared)
-
-
-async def _to_the_end(link: MetaLink, work: Coroutine):  # noqa: ANN202
-    """Carries out a control call's ``work`` inside its link's serving(), until the work has
-    ended: a handler cancelled meanwhile (its caller's deadline passed, or it went away) does
-    not stop a thread already running it, so the call counts as under way until that thread is
-    done, and a registration does not take its inventory before."""
-    with link.serving():
-        task = asyncio.ensure_future(work)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            await asyncio.wait({task})
-            raise
 
 
 class CacheDaemon:
