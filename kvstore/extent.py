@@ -24,6 +24,14 @@ is verified by every reader after its copy.
 
 A reader without the secret (a client) can still parse the fields with :func:`parse_fields`
 and must then rely on the key, gen and payload checksum.
+
+Between a reservation and its commit, a DRAM extent's header holds the *write stamp*
+(:func:`written_stamp`: magic "KVW1" and the placement's generation), put there by whoever
+wrote the payload: the shared-memory writer after its copy, or the daemon's data port after
+the whole payload arrived and matched its checksum. The daemon commits a put's DRAM block only
+over its stamp: a put committed without its write (an extent reused with the bytes of the block
+that held it before, a write cut short) is refused, never sealed over stale bytes. A remote
+writer reaches only the payload of its own extent, so it cannot stamp one it did not write.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ _SEAL = struct.Struct("<Q")
 _OFFSET = struct.Struct("<Q")
 _MAGIC_U32 = int.from_bytes(MAGIC, "little")
 CLEARED = bytes(HEADER_SIZE)
+WRITTEN_MAGIC = b"KVW1"
+_WRITTEN = struct.Struct("<4sIQ")  # magic, 0, generation
 SECRET_BYTES = 32
 _KNOWN_MAX = 1 << 16  # headers a Sealer remembers as checked
 
@@ -60,6 +70,11 @@ class ExtentHeader(NamedTuple):
     offset: int = 0
     flags: int = 0  # codec bits (SSD segments); 0 = stored raw
     raw_length: int = 0
+
+
+def written_stamp(gen: int) -> bytes:
+    """The write stamp of the placement of generation ``gen`` (see the module docstring)."""
+    return _WRITTEN.pack(WRITTEN_MAGIC, 0, gen)
 
 
 def checksum(data) -> int:  # noqa: ANN001 - any buffer

@@ -153,7 +153,7 @@ class Writes:
             sums.append(csum)
             if self._use_shm(p):
                 arena = self._shm.arena(p.segment.shm_path, p.segment.capacity_bytes)
-                written[k - lo] = int(ShmTransport.write(arena, p.offset, src))
+                written[k - lo] = int(ShmTransport.write(arena, p.offset, src, p.gen))
             else:
                 tcp_groups.setdefault(p.daemon.data_addr, []).append(k)
         for addr, ks in tcp_groups.items():

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.extent import CLEARED, HEADER_SIZE, Sealer
+from kvstore.extent import CLEARED, HEADER_SIZE, Sealer, written_stamp
 
 
 def _check_owner(fd: int, path: str) -> None:
@@ -158,7 +158,20 @@ class ShmArena:
     def clear_header(self, offset: int) -> None:
         self.view[offset : offset + HEADER_SIZE] = CLEARED
 
-    def commit(self, sealer: Sealer, offset: int, key: bytes, length: int, csum: int, gen: int) -> bool:
+    def stamp_written(self, offset: int, gen: int) -> None:
+        """Marks the extent at ``offset`` written for the placement of generation ``gen``
+        (its writer, after the whole payload is in; see :mod:`kvstore.extent`)."""
+        stamp = written_stamp(gen)
+        self.view[offset : offset + len(stamp)] = stamp
+
+    def written(self, offset: int, gen: int) -> bool:
+        """Whether the extent at ``offset`` holds the write stamp of generation ``gen``."""
+        stamp = written_stamp(gen)
+        return 0 <= offset <= self.size - HEADER_SIZE and self.view[offset : offset + len(stamp)] == stamp
+
+    def commit(
+        self, sealer: Sealer, offset: int, key: bytes, length: int, csum: int, gen: int, stamped: bool = False
+    ) -> bool:
         """Writes the sealed header that makes the payload at ``offset`` a committed block
         (the daemon does this when the metadata service commits the put). False if the extent
         does not fit the segment. The payload is not hashed here: bytes that came over the data
@@ -166,7 +179,13 @@ class ShmArena:
         arena with the daemon's own user (it could rewrite a committed block as well); every
         reader checks the checksum, so a block committed without its bytes is a miss at its
         first read, and dropped. (Hashing every block at commit cost a quarter to a third of
-        the shared-memory put throughput, measured with bench/store_throughput.py.)"""
+        the shared-memory put throughput, measured with bench/store_throughput.py.)
+
+        With ``stamped`` (a put's commit), the payload must carry its writer's stamp of ``gen``
+        (:meth:`stamp_written`): without one it was never written whole for this placement, and
+        the extent may still hold the bytes of the block it held before, which a commit naming
+        their checksum would otherwise serve as its own. The daemon's own copies (tier moves)
+        write the payload themselves and pass ``stamped=False``."""
         if not 0 <= offset <= self.size - HEADER_SIZE - length or length < 0:
             return False
         # Generations only increase: an extent sealed with this generation is this commit done
@@ -175,6 +194,8 @@ class ShmArena:
         h = sealer.parse(self.view, offset)
         if h is not None and h.gen >= gen:
             return h.gen == gen and h.key == key and h.length == length and h.checksum == csum
+        if stamped and not self.written(offset, gen):
+            return False
         self.view[offset : offset + HEADER_SIZE] = sealer.pack(key, length, csum, gen, offset)
         return True
 

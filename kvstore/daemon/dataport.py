@@ -291,6 +291,7 @@ class DataPort(ReadServing):
                 if checksum(payload) != csum:
                     status[i] = EntryStatus.CHECKSUM
                     continue
+                seg.stamp_written(off, gen)  # whole and as announced: its commit may seal it
             else:
                 staging = self._receive_staged(conn, length)
                 if checksum(staging) != csum:

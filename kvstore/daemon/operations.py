@@ -119,7 +119,7 @@ class SegmentOps:
             st, size = common_pb2.COMMIT_MISMATCH, 0
             try:
                 if isinstance(seg, ShmArena):
-                    if seg.commit(self.sealer, off, key, length, csum, gen):
+                    if seg.commit(self.sealer, off, key, length, csum, gen, stamped=True):
                         st, size = common_pb2.COMMIT_OK, extent_size(length)
                 elif isinstance(seg, SsdSegment):
                     b = seg.commit(off, key, gen)

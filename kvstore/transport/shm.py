@@ -1,8 +1,9 @@
 """Same-host transport: the client maps the daemon's shared-memory segment and copies.
 
 Reads copy then verify the checksum on the copy (the only bytes that matter are the ones the
-caller got); writes clear the header and copy the payload. The header is the daemon's to write,
-sealed, when the metadata service commits the put (a writer cannot make bytes look committed).
+caller got); writes clear the header, copy the payload and stamp the extent written for its placement. The
+header is the daemon's to write, sealed, when the metadata service commits the put (a writer
+cannot make bytes look committed), over that stamp only (kvstore.extent).
 """
 
 from __future__ import annotations
@@ -145,13 +146,16 @@ class ShmTransport:
         return len(places)
 
     @staticmethod
-    def write(arena: ShmArena, offset: int, src: np.ndarray) -> bool:
-        """Copies one payload into its reserved extent. False if the extent does not fit."""
+    def write(arena: ShmArena, offset: int, src: np.ndarray, gen: int) -> bool:
+        """Copies one payload into its reserved extent (of the placement of generation
+        ``gen``), then stamps it written (the daemon commits it only so). False if the extent
+        does not fit."""
         start = offset + HEADER_SIZE
         if offset < 0 or start + src.size > arena.size:
             return False
         arena.clear_header(offset)
         np.copyto(arena.array[start : start + src.size], src)
+        arena.stamp_written(offset, gen)
         return True
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from kvstore.daemon.arena import ShmArena
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable, from_rpc_error
 from kvstore.extent import HEADER_SIZE, Sealer, checksum
 from kvstore.keys import pack_keys
+from kvstore.transport.shm import ShmTransport
 from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc, meta_pb2, meta_pb2_grpc
 from kvstore.wire import U8, U64, locations_from_pb, pack
 
@@ -122,10 +123,11 @@ def _forge_uncommitted(meta: str, keys: list[bytes]) -> None:
 
 
 def test_a_commit_of_bytes_never_written_is_never_served(cluster):
-    """A writer that commits its reservation without writing the payloads (or after writing
-    other bytes than its checksums name): a reader gets exactly the blocks written as promised,
-    over shared memory and TCP, never the others' bytes; a block whose read failed its checksum
-    is reported and leaves the index."""
+    """A writer that commits its reservation without writing the payloads as a writer does
+    (other bytes than its checksums name; the right bytes without the write stamp, as a writer
+    that died before it; nothing): a reader gets exactly the blocks written as promised, over
+    shared memory and TCP, never the others' bytes. Blocks never stamped are refused at the
+    commit; a stamped block whose read failed its checksum is reported and leaves the index."""
     cluster.start_meta()
     cluster.start_daemon(dram="64MiB")
     keys = chain(4, 700_000)
@@ -135,19 +137,23 @@ def test_a_commit_of_bytes_never_written_is_never_served(cluster):
         places = locations_from_pb(resp.placements, 4)
         seg = places[0].daemon.segments[0]
         arena = ShmArena(seg.shm_path, seg.capacity_bytes)
-        try:  # block 0 written as promised, block 1 with other bytes, blocks 2 and 3 never
+        try:  # block 0 written as promised, block 1 with other bytes, block 2 unstamped, block 3 never
             for i in (0, 1):
-                p = places[i]
-                arena.array[p.offset + HEADER_SIZE : p.offset + HEADER_SIZE + BLOCK] = block(keys[i], i)
+                assert ShmTransport.write(arena, places[i].offset, block(keys[i], i), places[i].gen)
+            p = places[2]
+            arena.array[p.offset + HEADER_SIZE : p.offset + HEADER_SIZE + BLOCK] = block(keys[2])
         finally:
             arena.close()
         sums = [checksum(block(k)) for k in keys]
-        stub.PutCommit(meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack(sums, U64)), timeout=10)
+        got = stub.PutCommit(meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack(sums, U64)), timeout=10)
+        assert got.committed == 2  # the two stamped blocks; 2 and 3 refused by the daemon
     assert served(cluster.meta_addr, keys, 0, "tcp") == 1
     assert served(cluster.meta_addr, keys, 0, "shm") == 1
-    assert served(cluster.meta_addr, keys[1:], 0, "shm") == 0
+    for i in (1, 2, 3):
+        for transport in ("shm", "tcp"):
+            assert served(cluster.meta_addr, keys[i:], 0, transport) == 0, (i, transport)
     with SyncKVStoreClient(cluster.meta_addr) as c:
-        assert c.exists(keys)[:2] == [True, False]
+        assert c.exists(keys) == [True, False, False, False]
 
 
 def test_restart_after_remove_or_uncommitted_write_resurrects_nothing(cluster):
@@ -368,7 +374,7 @@ def test_bad_values_are_invalid_argument_and_change_nothing(store):
         arena = ShmArena(seg.shm_path, seg.capacity_bytes)
         sums = []
         for k, p in zip(keys, places):
-            arena.array[p.offset + HEADER_SIZE : p.offset + HEADER_SIZE + BLOCK] = block(k)
+            assert ShmTransport.write(arena, p.offset, block(k), p.gen)
             sums.append(checksum(block(k)))
         arena.close()
         done = stub.PutCommit(
