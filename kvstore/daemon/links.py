@@ -250,7 +250,9 @@ class MetaLink:
                 else:
                     assert self.stub is not None
                     resp = await self.stub.Heartbeat(
-                        meta_pb2.HeartbeatRequest(daemon_id=d.daemon_id, acked_batch=self.acked_batch),
+                        meta_pb2.HeartbeatRequest(
+                            daemon_id=d.daemon_id, acked_batch=self.acked_batch, registration=self.registration
+                        ),
                         timeout=self._heartbeat_timeout(),
                     )
                     if resp.epoch != self.epoch:

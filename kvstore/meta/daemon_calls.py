@@ -124,7 +124,7 @@ class DaemonCalls:
         ident = self._who(context, "daemon")
         if self.authority is not None and request.daemon_id != ident.name:
             raise PermissionDenied(f"daemon {ident.name!r} may heartbeat only for itself")
-        known = self.index.heartbeat(request.daemon_id)
+        known = self.index.heartbeat(request.daemon_id, request.registration)
         if not known:
             return meta_pb2.HeartbeatResponse(known=False, epoch=self.epoch)
         batch, items = self.link.heartbeat_batch(request.daemon_id, request.acked_batch)

@@ -142,10 +142,15 @@ class DaemonLife(Tombstones):
     def _new_segment(self, daemon: Daemon, sspec: SegmentSpec, alloc: Allocator) -> Segment:
         return Segment(daemon, sspec, next(self._segment_refs), alloc)
 
-    def heartbeat(self, daemon_id: str) -> bool:
-        """Extends a daemon's liveness. False if the daemon is unknown (it must register)."""
+    def heartbeat(self, daemon_id: str, registration: int = 0) -> bool:
+        """Extends a daemon's liveness. False if the daemon is unknown (it must register), or
+        known under another registration than the one it heartbeats for (a registration made
+        in its name replaced its own: it must register again, inventory and all); a
+        ``registration`` of 0 is not checked."""
         d = self.daemons.get(daemon_id)
         if d is None:
+            return False
+        if registration and d.spec.registration and registration != d.spec.registration:
             return False
         now = self.clock.now()
         d.last_heartbeat = now

@@ -52,12 +52,14 @@ class RegisterDaemonResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., rejected: _Optional[int] = ..., tickets: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("daemon_id", "acked_batch")
+    __slots__ = ("daemon_id", "acked_batch", "registration")
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     daemon_id: str
     acked_batch: int
-    def __init__(self, daemon_id: _Optional[str] = ..., acked_batch: _Optional[int] = ...) -> None: ...
+    registration: int
+    def __init__(self, daemon_id: _Optional[str] = ..., acked_batch: _Optional[int] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "invalidations", "batch", "epoch")

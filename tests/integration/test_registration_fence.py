@@ -25,7 +25,7 @@ from kvstore.extent import SSD_ALIGN, extent_size
 from kvstore.keys import KEY_BYTES
 from kvstore.meta.records import Tier
 from kvstore.meta.service import MetaServer
-from kvstore.v1 import daemon_pb2, daemon_pb2_grpc
+from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc, meta_pb2, meta_pb2_grpc
 from kvstore.wire import U8, U32, U64, pack, unpack
 
 BLOCK = 4096
@@ -224,6 +224,47 @@ async def test_a_move_under_way_when_the_daemon_registers_again_stops_and_the_in
         assert all((o == payload(i)).all() for i, o in enumerate(out))
     finally:
         go.set()
+        await client.close()
+        await daemon.stop()
+        await meta.stop(0)
+
+
+@pytest.mark.parametrize("index", ["object", "compact"])
+async def test_a_registration_made_in_a_daemons_name_is_undone_by_its_next_heartbeat(tmp_path, index):
+    """Without an auth file any caller may register a daemon id. A stray (or hostile)
+    RegisterDaemon in the name of a running daemon, with an empty inventory and a dead data
+    address, replaces its registration: its blocks leave the index. The daemon's next
+    heartbeat names its own registration, the service answers that it does not know it, and
+    the daemon registers again with its inventory: every block is found and read back."""
+    meta = MetaServer(MetaConfig(listen="127.0.0.1:0", heartbeat_interval_s=0.05, daemon_ttl_s=30.0, index=index))
+    port = await meta.start()
+    daemon = CacheDaemon(
+        DaemonConfig(meta=f"127.0.0.1:{port}", daemon_id="fence4", data_dir=str(tmp_path / "d"),
+                     dram_bytes=1 << 20, shm_dir=str(tmp_path / "shm"))
+    )  # fmt: skip
+    await daemon.start()
+    client = KVStoreClient(f"127.0.0.1:{port}", ClientConfig(retries=0))
+    try:
+        await asyncio.wait_for(daemon.registered.wait(), 30)
+        assert (await client.put(KEYS[:3], [payload(i) for i in range(3)])).stored == 3
+        real = meta.index.daemons["fence4"].spec
+        stray = common_pb2.DaemonInfo(
+            daemon_id="fence4", host_id=real.host_id, data_addr="127.0.0.1:9", control_addr="127.0.0.1:9",
+            segments=[common_pb2.Segment(segment_id=DRAM_SEGMENT, tier=common_pb2.TIER_DRAM, capacity_bytes=1 << 20)],
+        )  # fmt: skip
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            await meta_pb2_grpc.MetaServiceStub(ch).RegisterDaemon(
+                meta_pb2.RegisterDaemonRequest(daemon=stray, registration=777), timeout=5
+            )
+        assert meta.index.daemons["fence4"].spec.registration == 777
+        assert meta.index.lookup(b"".join(KEYS[:3]))[0] == 0  # the stray registration's doing
+        await until(lambda: meta.index.daemons["fence4"].spec.registration == daemon.links[0].registration)
+        assert daemon.counters["registrations"] == 2
+        assert await client.lookup(KEYS[:3]) == 3
+        out = [np.zeros(BLOCK, np.uint8) for _ in range(3)]
+        assert await client.get_into(KEYS[:3], out) == 3
+        assert all((o == payload(i)).all() for i, o in enumerate(out))
+    finally:
         await client.close()
         await daemon.stop()
         await meta.stop(0)
