@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from enum import IntEnum
 
 MAGIC = b"KVD1"
@@ -125,12 +126,38 @@ def send_vec(sock: socket.socket, parts: list) -> None:  # noqa: ANN001 - buffer
             views[i] = views[i][sent:]
 
 
+# A read that has waited out its socket's timeout must have averaged at least this many bytes a
+# second since it began, or the peer is taken to have stalled mid-frame: a timeout bounds one
+# wait for bytes, and a peer that trickles a byte per wait would otherwise hold its connection
+# (a slot of the data port's limit) for ever. Far below what any peer of a KV-cache tier sends
+# (a network link gives hundreds of MB/s), and what holding every one of 512 slots with slow
+# payloads would cost an attacker in sent bytes: 512 MiB/s.
+MIN_RATE = 1 << 20
+
+
+def _timeout_s(sock: socket.socket, waitall: bool) -> float | None:
+    """The socket's wait bound: its kernel receive timeout (waitall) or its Python-level one."""
+    if not waitall:
+        return sock.gettimeout()
+    try:
+        sec, usec = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+    except OSError:
+        return None
+    return sec + usec / 1e6 or None
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fills ``view`` from the socket. False if the peer closed before the first byte."""
+    """Fills ``view`` from the socket. False if the peer closed before the first byte.
+
+    Raises TimeoutError when the peer stalls mid-read: a wait for bytes ended by the socket's
+    timeout with the read averaging under ``MIN_RATE`` since it began (a trickle of bytes, each
+    within the timeout, is a stall too)."""
     n = len(view)
     pos = 0
     # A plain blocking socket fills the whole view in one call (TLS and sealed channels take no flags).
     waitall = type(sock) is socket.socket and sock.gettimeout() is None
+    start = 0.0
+    first = 0
     while pos < n:
         got = (
             sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL) if waitall else sock.recv_into(view[pos:], n - pos)
@@ -140,6 +167,16 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
                 return False
             raise ConnectionError(f"peer closed after {pos} of {n} bytes")
         pos += got
+        if pos < n:  # short: with waitall only when the timeout ended the wait (or a signal)
+            now = time.monotonic()
+            if not start:
+                start = now  # the first short answer starts the clock: a read begins with a wait
+                first = got
+                continue
+            limit = _timeout_s(sock, waitall)
+            elapsed = now - start
+            if limit is not None and elapsed >= limit and pos - first < MIN_RATE * elapsed:
+                raise TimeoutError(f"peer stalled mid-read: {pos} of {n} bytes after {elapsed:.1f} s")
     return True
 
 

@@ -115,6 +115,51 @@ def test_idle_and_stalled_connections_are_closed(limited):
     assert ping(addr) and stored_ok(limited.meta_addr)
 
 
+def _trickle_until_closed(s: socket.socket, data: bytes, every_s: float, within_s: float) -> float | None:
+    """Sends ``data`` a byte every ``every_s`` seconds (each byte well within the port's idle
+    timeout) until the peer closes; the seconds that took, or None if it did not within
+    ``within_s`` (or the bytes ran out)."""
+    t0 = time.monotonic()
+    for b in data:
+        if time.monotonic() - t0 > within_s:
+            return None
+        try:
+            s.sendall(bytes([b]))
+        except OSError:
+            return time.monotonic() - t0
+        if closed_by_peer(s, every_s):
+            return time.monotonic() - t0
+    return None
+
+
+@pytest.mark.parametrize("part", ["head", "entries"])
+def test_a_peer_trickling_a_frame_is_closed_as_a_stalled_one(limited, part):
+    """A byte every 0.3 s, mid-head or mid-entry, each well within the 1 s idle timeout: the
+    connection is closed once the read has waited out the timeout at under the least rate,
+    not held for as long as the trickle goes on; every slot is held meanwhile by such peers,
+    and once they are gone the port serves again."""
+    addr = data_port(limited)
+    entry = ENTRY.pack(b"k" * 16, 1, 0, 0, 4096, 0, 1, bytes(16))
+    if part == "head":
+        lead, slow = b"", REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1) + entry
+    else:
+        lead, slow = REQ_HEAD.pack(MAGIC, VERSION, Op.READ, 0, 1, 1), entry
+    conns = [socket.create_connection(addr, timeout=5) for _ in range(4)]  # the port's limit
+    try:
+        for c in conns[1:]:
+            c.sendall(lead + slow[:1])
+        conns[0].sendall(lead)
+        took = _trickle_until_closed(conns[0], slow, 0.3, 8.0)
+        assert took is not None, "a trickling peer held its connection past 8 s"
+        assert took < 5.0
+        assert all(closed_by_peer(c, 5.0) for c in conns[1:])  # the stalled ones too
+    finally:
+        for c in conns:
+            c.close()
+    time.sleep(0.2)
+    assert ping(addr) and stored_ok(limited.meta_addr)
+
+
 def test_a_write_over_the_block_limit_is_refused_before_its_payload(limited):
     addr = data_port(limited)
     big = (64 << 20) - HEADER_SIZE - 4096

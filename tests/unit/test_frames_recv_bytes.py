@@ -1,6 +1,6 @@
 """frames.recv_bytes over real sockets: the bytes as sent, whatever pieces they come in; None
-when the peer closes before the first byte, ConnectionError when it closes part way; and a length
-the peer announces sizes no buffer before its bytes arrive."""
+when the peer closes before the first byte, ConnectionError when it closes part way, TimeoutError
+when it trickles; and a length the peer announces sizes no buffer before its bytes arrive."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import tracemalloc
 
 import pytest
 
-from kvstore.transport.frames import RECV_CHUNK, recv_bytes
+from kvstore.transport.frames import RECV_CHUNK, kernel_timeouts, recv_bytes
 
 MB = 1 << 20
 
@@ -94,3 +94,55 @@ def test_memory_follows_the_bytes_that_arrived():
     assert [type(e) for e in errors] == [ConnectionError]
     # At most about twice what arrived, plus a chunk; never the announced length.
     assert peak < 4 * MB, peak
+
+
+def _trickle(s: socket.socket, n: int, every_s: float, stop: threading.Event) -> None:
+    for _ in range(n):
+        if stop.is_set():
+            return
+        try:
+            s.sendall(b"x")
+        except OSError:
+            return
+        time.sleep(every_s)
+
+
+@pytest.mark.parametrize("timeouts", ["kernel", "python"])
+def test_a_trickle_under_the_least_rate_is_a_stall_and_a_steady_stream_is_not(timeouts):
+    """A byte every 0.05 s, each within the socket's 0.3 s timeout: the read raises TimeoutError
+    once it has waited out the timeout at under the least rate (kernel timeouts: the data port's
+    plain sockets; a Python-level one: TLS), instead of lasting as long as the trickle. 4 MiB
+    sent in pieces with pauses shorter than the timeout arrives whole."""
+    a, b = socket.socketpair()
+    with a, b:
+        if timeouts == "kernel":
+            kernel_timeouts(b, 0.3)
+        else:
+            b.settimeout(0.3)
+        stop = threading.Event()
+        t = threading.Thread(target=_trickle, args=(a, 200, 0.05, stop))
+        t.start()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="stalled mid-read"):
+            recv_bytes(b, 100)
+        took = time.monotonic() - t0
+        stop.set()
+        t.join()
+        assert took < 2.0  # the trickle would have lasted 10 s
+    a, b = socket.socketpair()
+    with a, b:
+        if timeouts == "kernel":
+            kernel_timeouts(b, 0.3)
+        else:
+            b.settimeout(0.3)
+        data = random.Random(5).randbytes(4 * MB)
+
+        def steady() -> None:
+            for i in range(0, len(data), MB // 2):
+                a.sendall(data[i : i + MB // 2])
+                time.sleep(0.1)
+
+        t = threading.Thread(target=steady)
+        t.start()
+        assert recv_bytes(b, len(data)) == data
+        t.join()
