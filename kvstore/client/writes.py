@@ -93,10 +93,18 @@ class Writes:
                 else:
                     self._abort(resp.put_id)  # the reservation goes now, not at its deadline
                 raise
-            commit = await self._rpc(
-                self._stub.PutCommit,
-                meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack(sums, U64), written=pack(written, U8)),
-            )
+            try:
+                commit = await self._rpc(
+                    self._stub.PutCommit,
+                    meta_pb2.PutCommitRequest(put_id=resp.put_id, checksums=pack(sums, U64), written=pack(written, U8)),
+                )
+            except BaseException:
+                # No answer (a deadline, a lost connection, a cancelled caller): the reservation
+                # goes now, not at its deadline, so that a retry of these keys is not told they
+                # are being written (skipped) by the put it gave up. A commit the service has
+                # begun has left the reservation table, and the abort then changes nothing.
+                self._abort(resp.put_id)
+                raise
             stored += commit.committed
             outcome = unpack(commit.status, U8, "status", len(alloc)) if commit.status else [0] * len(alloc)
             ok = [k for k, st in enumerate(outcome) if st == common_pb2.COMMIT_OK]

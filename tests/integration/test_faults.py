@@ -278,3 +278,41 @@ def test_a_commit_whose_caller_gives_up_is_still_ended_when_the_daemon_answers(c
     # (SKIP_EXISTS) or free (ALLOCATED), not "being written" (SKIP_INFLIGHT) for good.
     wait_until(lambda: put_again() in ([0], [1]), timeout=20)
     assert stub.Stats(meta_pb2.StatsRequest(), timeout=10).pending_puts == 0
+
+
+def test_a_put_whose_commit_gets_no_answer_gives_its_reservation_back(cluster):
+    """The service stops answering (paused) between a put's PutStart and its PutCommit, and the
+    client's commit times out: the client gives the reservation back, so that once the service
+    runs again the keys are not "being written" until the put's deadline (60 s here), and a
+    retry stores them instead of being told they are skipped."""
+    import os
+    import signal
+
+    from kvstore.errors import Timeout
+
+    meta = cluster.start_meta()
+    cluster.start_daemon(dram="8MiB")
+    keys = chain(3, 950)
+    payloads = data(3, 4096)
+    cfg = ClientConfig(rpc_timeout_s=1.0, put_timeout_s=60.0, retries=0)
+    with SyncKVStoreClient(cluster.meta_addr, cfg) as c:
+        stub = c._client._stub
+        real = stub.PutCommit
+
+        def paused_commit(request, **kw):  # noqa: ANN001, ANN003, ANN202
+            os.kill(meta.p.pid, signal.SIGSTOP)
+            return real(request, **kw)
+
+        stub.PutCommit = paused_commit
+        try:
+            with pytest.raises(Timeout):
+                c.put(keys, payloads)
+        finally:
+            os.kill(meta.p.pid, signal.SIGCONT)
+            stub.PutCommit = real
+        wait_until(lambda: c.stats().pending_puts == 0, timeout=15)
+        res = c.put(keys, payloads)
+        assert (res.stored, res.skipped) == (3, 0)
+        out = [np.zeros(4096, np.uint8) for _ in keys]
+        assert c.get_into(keys, out) == 3
+        assert all(np.array_equal(a, b) for a, b in zip(out, payloads))
