@@ -291,6 +291,11 @@ class DataPort(ReadServing):
                 if checksum(payload) != csum:
                     status[i] = EntryStatus.CHECKSUM
                     continue
+                if self._sealed_since(seg, off, gen):
+                    # Committed meanwhile (this placement's block, by a write of it that ended
+                    # first, or a later one): a stamp would overwrite the front of its sealed header.
+                    status[i] = EntryStatus.MISMATCH
+                    continue
                 seg.stamp_written(off, gen)  # whole and as announced: its commit may seal it
             else:
                 staging = self._receive_staged(conn, length)

@@ -127,18 +127,23 @@ def send_vec(sock: socket.socket, parts: list) -> None:  # noqa: ANN001 - buffer
 
 
 # A read that has waited out its socket's timeout must have averaged at least this many bytes a
-# second since it began, or the peer is taken to have stalled mid-frame: a timeout bounds one
-# wait for bytes, and a peer that trickles a byte per wait would otherwise hold its connection
-# (a slot of the data port's limit) for ever. Far below what any peer of a KV-cache tier sends
-# (a network link gives hundreds of MB/s), and what holding every one of 512 slots with slow
-# payloads would cost an attacker in sent bytes: 512 MiB/s.
+# second since its first short answer, or the peer is taken to have stalled mid-frame: a timeout
+# bounds one wait for bytes, and a peer trickling a byte within each wait could otherwise drag
+# one frame out for ever. This bounds how long one read can be dragged out (about twice the
+# timeout, at a trickle), not how long a peer holds its connection: one that sends a whole small
+# frame within every timeout holds it, as any keep-alive peer does (the connection limit, tickets
+# and mutual TLS are what bound those). Far below what any peer of a KV-cache tier sends (a
+# network link gives hundreds of MB/s).
 MIN_RATE = 1 << 20
 
 
-def _timeout_s(sock: socket.socket, waitall: bool) -> float | None:
-    """The socket's wait bound: its kernel receive timeout (waitall) or its Python-level one."""
-    if not waitall:
-        return sock.gettimeout()
+def wait_bound(sock) -> float | None:  # noqa: ANN001 - a socket, or one of the socket-likes
+    """How long one wait for bytes on ``sock`` may last: its Python-level timeout, else (a plain
+    socket) its kernel receive timeout; None if unbounded."""
+    get = getattr(sock, "gettimeout", None)
+    t = get() if get is not None else None
+    if t is not None or type(sock) is not socket.socket:
+        return t
     try:
         sec, usec = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
     except OSError:
@@ -173,7 +178,7 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
                 start = now  # the first short answer starts the clock: a read begins with a wait
                 first = got
                 continue
-            limit = _timeout_s(sock, waitall)
+            limit = wait_bound(sock)
             elapsed = now - start
             if limit is not None and elapsed >= limit and pos - first < MIN_RATE * elapsed:
                 raise TimeoutError(f"peer stalled mid-read: {pos} of {n} bytes after {elapsed:.1f} s")

@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESOCB3
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from kvstore.transport.frames import kernel_timeouts
+from kvstore.transport.frames import kernel_timeouts, recv_exact, wait_bound
 
 UPGRADE = b"KVS1"
 RANDOM_BYTES = 32
@@ -89,13 +89,9 @@ def _keys(client_random: bytes, server_random: bytes, suite: int = OCB3) -> tupl
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> int:
-    pos, n = 0, len(view)
-    while pos < n:
-        got = sock.recv_into(view[pos:], n - pos)
-        if got == 0:
-            return pos
-        pos += got
-    return pos
+    """Fills ``view``: its length, or 0 if the peer closed before the first byte (ConnectionError
+    if part way, TimeoutError if it trickles: :func:`kvstore.transport.frames.recv_exact`)."""
+    return len(view) if recv_exact(sock, view) else 0
 
 
 class SealedSocket:
@@ -115,6 +111,10 @@ class SealedSocket:
         self._plain = bytearray()  # a record's plaintext the reader took only part of
         self._plain_at = 0
         self._plain_end = 0
+
+    def gettimeout(self) -> float | None:
+        """The wait bound of the socket under the records (what a read measures a stall by)."""
+        return wait_bound(self.sock)
 
     @staticmethod
     def _nonce(seq: int) -> bytes:

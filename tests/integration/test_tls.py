@@ -154,6 +154,9 @@ def test_tcp_reads_and_writes_with_sealed_records_or_tls_records(secured, sealed
     keys = KS.block_keys(np.arange(16 * 24) + 10_000)
     assert len(keys) == 24
     data = [np.random.default_rng(100 + i).integers(0, 256, 300_000 + i, dtype=np.uint8) for i in range(len(keys))]
+    # Two blocks of several records each (a sealed record holds at most 1 MiB): one read of a
+    # payload then takes several answers of the sealed socket.
+    data[-2:] = [np.random.default_rng(7 + i).integers(0, 256, (3 << 20) + 5 + i, dtype=np.uint8) for i in range(2)]
     with SyncKVStoreClient(secured.meta_addr, ClientConfig(transport="tcp"), tls=t) as c:
         assert c.put(keys, data).stored == len(keys)
         out = [np.zeros_like(b) for b in data]

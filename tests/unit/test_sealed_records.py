@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.transport.frames import recv_exact
+from kvstore.transport.frames import kernel_timeouts, recv_exact
 from kvstore.transport.sealed import _LEN, GCM, MAX_RECORD, OCB3, SUITES, TAG, SealedSocket, _keys
 
 
@@ -286,3 +287,52 @@ def test_the_upgrade_over_real_tls_agrees_on_a_suite_and_leaves_tls(tmp_path, mo
     assert got["daemon"] == b"hello world"
     assert got["suite"] is (SUITES[OCB3] if daemon_has_ocb else SUITES[GCM])
     assert type(c._send) is got["suite"]
+
+
+def test_a_read_of_many_records_through_recv_exact_is_whole_with_kernel_timeouts():
+    """As the data port and its client read a block over sealed records: one recv_exact of a
+    payload several records long, on sockets with kernel timeouts (SealedSocket answers at most
+    a record per call, and the stall rule asks it for its wait bound)."""
+    client, server, a, b = pair()
+    kernel_timeouts(a, 5.0)
+    kernel_timeouts(b, 5.0)
+    assert server.gettimeout() == pytest.approx(5.0)
+    data = np.random.default_rng(3).integers(0, 256, 3 * MAX_RECORD + 5, dtype=np.uint8)
+    t = send_async(client, data)
+    out = np.zeros(data.size, np.uint8)
+    assert recv_exact(server, memoryview(out))
+    t.join()
+    assert np.array_equal(out, data)
+
+
+def test_a_record_trickled_in_is_a_stall():
+    """A peer sending a sealed record a byte at a time, each within the 0.3 s timeout: the
+    reader gives up with TimeoutError instead of waiting as long as the trickle lasts."""
+    c2s, s2c = _keys(os.urandom(32), os.urandom(32))
+    a, b = socket.socketpair()
+    SealedSocket(a, c2s, s2c).sendall(b"x" * 400)
+    wire = records(b, 1)[0]
+    a.close()
+    b.close()
+    a, b = socket.socketpair()
+    kernel_timeouts(b, 0.3)
+    server = SealedSocket(b, s2c, c2s)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for byte in wire:
+            if stop.is_set():
+                return
+            a.sendall(bytes([byte]))
+            time.sleep(0.05)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        recv_exact(server, memoryview(bytearray(400)))
+    stop.set()
+    t.join()
+    a.close()
+    b.close()
+    assert time.monotonic() - t0 < 3.0  # the trickle would have lasted 20 s

@@ -100,3 +100,25 @@ def test_a_shared_memory_write_stamps_its_own_generation_only(ops):
     assert h is not None and (h.key, h.gen) == (OLD_KEY, OLD_GEN)
     payload = arena.array[4 * MB + HEADER_SIZE : 4 * MB + HEADER_SIZE + LENGTH]
     assert np.array_equal(payload, data)
+
+
+def test_a_duplicate_write_ending_after_the_commit_leaves_the_sealed_header_whole(ops):
+    """Two writes with the same ticket, the slower ending after the faster one's block was
+    committed: the slower one is answered MISMATCH and stamps nothing over the sealed header (a
+    stamp there would turn the committed block into a miss)."""
+    dp, sealer, arena, seg_ops = ops
+    data = np.random.default_rng(4).integers(0, 256, LENGTH, np.uint8)
+    e = _entry(Op.WRITE, NEW_KEY, DRAM, 0, LENGTH, checksum(data), NEW_GEN)
+    with socket.create_connection(("127.0.0.1", dp.port), timeout=10) as slow:
+        slow.sendall(REQ_HEAD.pack(MAGIC, VERSION, Op.WRITE, 0, 1, 1) + e + data[: LENGTH // 2].tobytes())
+        time.sleep(0.3)  # the port has checked the entry and receives the payload
+        with socket.create_connection(("127.0.0.1", dp.port), timeout=10) as fast:
+            assert _write(fast, NEW_KEY, DRAM, 0, data, NEW_GEN) == EntryStatus.OK
+        assert _commit(seg_ops, NEW_KEY, 0, data, NEW_GEN) == common_pb2.COMMIT_OK
+        slow.sendall(data[LENGTH // 2 :].tobytes())
+        RESP_HEAD.unpack(recv_all(slow, RESP_HEAD.size))
+        assert recv_all(slow, 1)[0] == EntryStatus.MISMATCH
+        h = sealer.parse(arena.view, 0)
+        assert h is not None and (h.key, h.gen) == (NEW_KEY, NEW_GEN)
+        st, got = _read(slow, NEW_KEY, DRAM, 0, LENGTH, NEW_GEN)
+        assert st == EntryStatus.OK and got == data.tobytes()
