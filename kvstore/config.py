@@ -134,6 +134,10 @@ class DaemonConfig:
     max_block_bytes: int = 1 << 30
     # Clock difference between hosts tolerated when checking a data-port ticket's expiry.
     ticket_skew_s: float = 30.0
+    # Commit a put's DRAM block only over its writer's stamp (kvstore.extent): a commit of an
+    # unwritten or half-written extent is refused. False only while same-host clients older
+    # than the stamp still write (a rolling upgrade): they do not stamp.
+    require_write_stamp: bool = True
     # Bearer token for the metadata service (its identity in meta.auth_file, named as the daemon id).
     token: str = ""
     # With mutual TLS: the certificate common names that may call the control API (commit,

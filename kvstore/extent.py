@@ -26,12 +26,15 @@ A reader without the secret (a client) can still parse the fields with :func:`pa
 and must then rely on the key, gen and payload checksum.
 
 Between a reservation and its commit, a DRAM extent's header holds the *write stamp*
-(:func:`written_stamp`: magic "KVW1" and the placement's generation), put there by whoever
-wrote the payload: the shared-memory writer after its copy, or the daemon's data port after
-the whole payload arrived and matched its checksum. The daemon commits a put's DRAM block only
-over its stamp: a put committed without its write (an extent reused with the bytes of the block
-that held it before, a write cut short) is refused, never sealed over stale bytes. A remote
-writer reaches only the payload of its own extent, so it cannot stamp one it did not write.
+(:class:`Stamper`: magic "KVW1", the placement's generation, and a keyed BLAKE2b-64 of both and
+the offset under the arena's stamp key), put there by whoever wrote the payload: the
+shared-memory writer after its copy, or the daemon's data port after the whole payload arrived
+and matched its checksum. The daemon commits a put's DRAM block only over its stamp: a put
+committed without its write (an extent reused with the bytes of the block that held it before,
+a write cut short) is refused, never sealed over stale bytes. The stamp key is in a file next to
+the arena, mode 0600 (the same-host writers that may map the arena may read it); a remote writer,
+who moves only payload bytes, could plant bytes where a later extent's header will be, but not
+the key's MAC, so it cannot stamp an extent it did not write.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ _OFFSET = struct.Struct("<Q")
 _MAGIC_U32 = int.from_bytes(MAGIC, "little")
 CLEARED = bytes(HEADER_SIZE)
 WRITTEN_MAGIC = b"KVW1"
-_WRITTEN = struct.Struct("<4sIQ")  # magic, 0, generation
+_WRITTEN = struct.Struct("<4sIQ")  # magic, 0, generation; then the MAC (8 bytes)
 SECRET_BYTES = 32
 _KNOWN_MAX = 1 << 16  # headers a Sealer remembers as checked
 
@@ -70,11 +73,6 @@ class ExtentHeader(NamedTuple):
     offset: int = 0
     flags: int = 0  # codec bits (SSD segments); 0 = stored raw
     raw_length: int = 0
-
-
-def written_stamp(gen: int) -> bytes:
-    """The write stamp of the placement of generation ``gen`` (see the module docstring)."""
-    return _WRITTEN.pack(WRITTEN_MAGIC, 0, gen)
 
 
 def checksum(data) -> int:  # noqa: ANN001 - any buffer
@@ -190,6 +188,24 @@ class Sealer:
         h = ExtentHeader(key, length, csum, gen, at, flags, raw_len)
         self._remember(raw, at, h)
         return h
+
+
+class Stamper:
+    """Makes the write stamps of one arena (see the module docstring) under its stamp key."""
+
+    SIZE = _WRITTEN.size + 8
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("a stamp key must be at least 16 bytes")
+        self._keyed = hashlib.blake2b(key=bytes(key), digest_size=8)
+
+    def stamp(self, offset: int, gen: int) -> bytes:
+        """The stamp of the placement of generation ``gen`` at segment offset ``offset``."""
+        body = _WRITTEN.pack(WRITTEN_MAGIC, 0, gen)
+        h = self._keyed.copy()
+        h.update(body + _OFFSET.pack(offset))
+        return body + h.digest()
 
 
 class ScanResult(NamedTuple):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.extent import CLEARED, HEADER_SIZE, Sealer, written_stamp
+from kvstore.extent import CLEARED, HEADER_SIZE, SECRET_BYTES, Sealer, Stamper
 
 
 def _check_owner(fd: int, path: str) -> None:
@@ -47,6 +47,43 @@ def _lock_owner(fd: int, path: str, wait_s: float = 2.0) -> None:
             if time.monotonic() > deadline:
                 raise OSError(f"shared memory {path} is already in use by another daemon (it holds its lock)") from None
             time.sleep(0.01)
+
+
+def _stamp_key(path: str, create: bool) -> bytes | None:
+    """The arena's stamp key, in ``<arena>.stamp`` (:mod:`kvstore.extent`): made once by the
+    daemon (whole, under a private name, then linked into place, mode 0600), read by a client;
+    never through a link, and only from a file of this process's user. None for a client that
+    finds none (a daemon older than the stamp): it cannot write there."""
+    p = path + ".stamp"
+    if create and not os.path.lexists(p):
+        tmp = f"{path}.stamp.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, os.urandom(SECRET_BYTES))
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, p)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        if create:
+            raise
+        return None
+    try:
+        _check_owner(fd, p)
+        key = os.read(fd, 2 * SECRET_BYTES)
+    finally:
+        os.close(fd)
+    if len(key) != SECRET_BYTES:
+        if create:
+            raise OSError(f"{p} holds {len(key)} bytes, expected a {SECRET_BYTES}-byte stamp key")
+        return None
+    return key
 
 
 class ShmArena:
@@ -104,6 +141,8 @@ class ShmArena:
             except BaseException:
                 os.close(fd)
                 raise
+        key = _stamp_key(self.path, create)
+        self._stamper = Stamper(key) if key is not None else None
         # Kept open: the daemon's holds its lock, a client's probes it. Closed by close(), or
         # when the arena is dropped (a client forgetting a retired segment).
         self._fd = fd
@@ -160,14 +199,16 @@ class ShmArena:
 
     def stamp_written(self, offset: int, gen: int) -> None:
         """Marks the extent at ``offset`` written for the placement of generation ``gen``
-        (its writer, after the whole payload is in; see :mod:`kvstore.extent`)."""
-        stamp = written_stamp(gen)
-        self.view[offset : offset + len(stamp)] = stamp
+        (its writer, after the whole payload is in; see :mod:`kvstore.extent`). Nothing where
+        this mapping found no stamp key: its daemon is older than the stamp and commits without."""
+        if self._stamper is not None and 0 <= offset <= self.size - HEADER_SIZE:
+            self.view[offset : offset + Stamper.SIZE] = self._stamper.stamp(offset, gen)
 
     def written(self, offset: int, gen: int) -> bool:
         """Whether the extent at ``offset`` holds the write stamp of generation ``gen``."""
-        stamp = written_stamp(gen)
-        return 0 <= offset <= self.size - HEADER_SIZE and self.view[offset : offset + len(stamp)] == stamp
+        if self._stamper is None or not 0 <= offset <= self.size - HEADER_SIZE:
+            return False
+        return self.view[offset : offset + Stamper.SIZE] == self._stamper.stamp(offset, gen)
 
     def commit(
         self, sealer: Sealer, offset: int, key: bytes, length: int, csum: int, gen: int, stamped: bool = False

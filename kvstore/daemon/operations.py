@@ -48,11 +48,13 @@ class SegmentOps:
         sealer: Sealer,
         counters: dict[str, int],
         on_commit: Callable[[int], None] | None = None,
+        require_stamp: bool = True,
     ) -> None:
         self.segments = segments
         self.sealer = sealer
         self.counters = counters
         self.on_commit = on_commit  # told each committed generation (the data port spends its ticket)
+        self.require_stamp = require_stamp  # a DRAM commit needs its writer's stamp (kvstore.extent)
 
     def move(self, req: daemon_pb2.MoveRequest, current: Callable[[], bool] | None = None) -> daemon_pb2.MoveResponse:
         """Copies blocks between segments; a source that fails its check (key, generation,
@@ -119,7 +121,7 @@ class SegmentOps:
             st, size = common_pb2.COMMIT_MISMATCH, 0
             try:
                 if isinstance(seg, ShmArena):
-                    if seg.commit(self.sealer, off, key, length, csum, gen, stamped=True):
+                    if seg.commit(self.sealer, off, key, length, csum, gen, stamped=self.require_stamp):
                         st, size = common_pb2.COMMIT_OK, extent_size(length)
                 elif isinstance(seg, SsdSegment):
                     b = seg.commit(off, key, gen)

@@ -216,7 +216,13 @@ class CacheDaemon:
         self.health = ServerHealth("kvstore.v1.DaemonControl")
         self.counters = dict.fromkeys((name for name, _doc in DAEMON_COUNTERS), 0)
         # What the service has it do to its segments (commit, invalidate, move).
-        self.ops = SegmentOps(self.segments, self.sealer, self.counters, on_commit=self.dataport.spend)
+        self.ops = SegmentOps(
+            self.segments,
+            self.sealer,
+            self.counters,
+            on_commit=self.dataport.spend,
+            require_stamp=self.cfg.require_write_stamp,
+        )
         self.commit, self.invalidate, self.move = self.ops.commit, self.ops.invalidate, self.ops.move
         self.registry = registry or CollectorRegistry()
         self.registry.register(DaemonCollector(self))
@@ -426,6 +432,7 @@ class CacheDaemon:
         if self.cfg.remove_segment_on_drain:
             # Mappings clients still hold stay valid; the memory is freed when they let go.
             Path(self.dram.path).unlink(missing_ok=True)
+            Path(self.dram.path + ".stamp").unlink(missing_ok=True)
             log.info("event=segment_removed daemon=%s path=%s", self.daemon_id, self.dram.path)
 
     def _direct_reading(self) -> bool:

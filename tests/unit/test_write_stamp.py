@@ -13,8 +13,9 @@ import pytest
 from conftest import recv_all
 from test_dataport_stale_write import DRAM, MB, NEW_GEN, NEW_KEY, OLD_GEN, OLD_KEY, _entry, _read, _write, port  # noqa: F401
 
+from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.operations import SegmentOps
-from kvstore.extent import HEADER_SIZE, checksum, written_stamp
+from kvstore.extent import HEADER_SIZE, WRITTEN_MAGIC, Stamper, checksum
 from kvstore.keys import pack_keys
 from kvstore.transport.frames import MAGIC, REQ_HEAD, RESP_HEAD, VERSION, EntryStatus, Op
 from kvstore.transport.shm import ShmTransport
@@ -92,7 +93,7 @@ def test_a_shared_memory_write_stamps_its_own_generation_only(ops):
     data = np.random.default_rng(3).integers(0, 256, LENGTH, np.uint8)
     assert ShmTransport.write(arena, 4 * MB, data, OLD_GEN)
     assert arena.written(4 * MB, OLD_GEN) and not arena.written(4 * MB, NEW_GEN)
-    assert bytes(arena.view[4 * MB : 4 * MB + 16]) == written_stamp(OLD_GEN)
+    assert bytes(arena.view[4 * MB : 4 * MB + 4]) == WRITTEN_MAGIC
     # The extent given to a later put, with the earlier writer's stamp still there: refused.
     assert _commit(seg_ops, NEW_KEY, 4 * MB, data, NEW_GEN) == common_pb2.COMMIT_MISMATCH
     assert _commit(seg_ops, OLD_KEY, 4 * MB, data, OLD_GEN) == common_pb2.COMMIT_OK
@@ -122,3 +123,46 @@ def test_a_duplicate_write_ending_after_the_commit_leaves_the_sealed_header_whol
         assert h is not None and (h.key, h.gen) == (NEW_KEY, NEW_GEN)
         st, got = _read(slow, NEW_KEY, DRAM, 0, LENGTH, NEW_GEN)
         assert st == EntryStatus.OK and got == data.tobytes()
+
+
+def test_a_stamp_needs_the_arena_key_which_a_same_host_mapping_reads_and_a_remote_writer_lacks(ops, tmp_path):
+    """A stamp is keyed: bytes a remote writer planted where a later extent's header will be
+    (the magic and a generation it guessed, with a MAC under any other key) do not pass, so it
+    cannot commit that extent unwritten. A client's own mapping of the arena reads the key next
+    to it and stamps what the daemon accepts; a mapping that finds no key (a daemon older than
+    the stamp) writes without one (that daemon commits without), and with
+    ``daemon.require_write_stamp`` off (a rolling upgrade) an unstamped write commits."""
+    dp, sealer, arena, seg_ops = ops
+    data = np.random.default_rng(5).integers(0, 256, LENGTH, np.uint8)
+    off = 8 * MB
+    arena.array[off + HEADER_SIZE : off + HEADER_SIZE + LENGTH] = data
+    for forged in (
+        Stamper(b"f" * 32).stamp(off, NEW_GEN),
+        WRITTEN_MAGIC + bytes(4) + NEW_GEN.to_bytes(8, "little") + bytes(8),
+    ):
+        arena.view[off : off + Stamper.SIZE] = forged
+        assert not arena.written(off, NEW_GEN)
+        assert _commit(seg_ops, NEW_KEY, off, data, NEW_GEN) == common_pb2.COMMIT_MISMATCH
+    client = ShmArena(arena.path, arena.size)
+    try:
+        assert ShmTransport.write(client, off, data, NEW_GEN)
+        assert arena.written(off, NEW_GEN)
+        assert _commit(seg_ops, NEW_KEY, off, data, NEW_GEN) == common_pb2.COMMIT_OK
+    finally:
+        client.close()
+    other = tmp_path / "keyless"
+    ShmArena(other, MB, create=True).close()
+    (tmp_path / "keyless.stamp").unlink()
+    keyless = ShmArena(other, MB)
+    try:
+        assert ShmTransport.write(keyless, 0, data[:4096], NEW_GEN)
+        assert not keyless.written(0, NEW_GEN)
+        assert bytes(keyless.view[:HEADER_SIZE]) == bytes(HEADER_SIZE)
+    finally:
+        keyless.close()
+    lenient = SegmentOps({DRAM: arena}, sealer, {"commits": 0}, require_stamp=False)
+    off = 12 * MB
+    arena.clear_header(off)
+    arena.array[off + HEADER_SIZE : off + HEADER_SIZE + LENGTH] = data
+    assert _commit(seg_ops, OLD_KEY, off, data, OLD_GEN) == common_pb2.COMMIT_MISMATCH
+    assert _commit(lenient, OLD_KEY, off, data, OLD_GEN) == common_pb2.COMMIT_OK
