@@ -326,9 +326,8 @@ def measure_restart(work: Path, blocks: int, block_bytes: int) -> dict:
     finally:
         meta.terminate()
         meta.wait(10)
-        shm = Path("/dev/shm/kvstore-restart-dram")
-        if shm.exists():
-            shm.unlink()
+        for name in ("kvstore-restart-dram", "kvstore-restart-dram.stamp"):
+            Path("/dev/shm", name).unlink(missing_ok=True)
     return {"blocks": blocks, "block_bytes": block_bytes, "ready_s": round(ready, 3), "all_served_s": round(served, 3)}
 
 

@@ -50,7 +50,7 @@ class Child:
                 self.kill()
         shm = self.info.get("shm_path")
         if shm and self.info.get("owns_shm", True) and not keep_shm:
-            for path in (shm, shm + ".served", shm.removesuffix("-dram") + "-staging"):
+            for path in (shm, shm + ".served", shm + ".stamp", shm.removesuffix("-dram") + "-staging"):
                 if os.path.exists(path):
                     os.unlink(path)
 

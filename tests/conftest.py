@@ -107,7 +107,7 @@ class Cluster:
         for p in reversed(self.procs):
             p.stop()
         for path in self.shm_paths:
-            for p in (path, path + ".served", path.removesuffix("-dram") + "-staging"):
+            for p in (path, path + ".served", path + ".stamp", path.removesuffix("-dram") + "-staging"):
                 try:
                     os.unlink(p)
                 except FileNotFoundError:

@@ -99,7 +99,7 @@ class ShmArena:
     it cannot make it write into someone else's file), else it uses the data port.
     """
 
-    def __init__(self, path: str | os.PathLike, size: int, create: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, size: int, create: bool = False, stamps: bool = True) -> None:
         self.path = str(path)
         self.size = size
         self.reattached = False
@@ -141,7 +141,8 @@ class ShmArena:
             except BaseException:
                 os.close(fd)
                 raise
-        key = _stamp_key(self.path, create)
+        # Puts' blocks are stamped (kvstore.extent); a region no put writes (staging) has no key.
+        key = _stamp_key(self.path, create) if stamps else None
         self._stamper = Stamper(key) if key is not None else None
         # Kept open: the daemon's holds its lock, a client's probes it. Closed by close(), or
         # when the arena is dropped (a client forgetting a retired segment).

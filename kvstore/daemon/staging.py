@@ -38,7 +38,7 @@ class Staging:
         self.slice_bytes = 2 * self.request_bytes
         if slices <= 0 or self.request_bytes <= 0:
             raise ValueError(f"a staging region needs at least one slice of at least {2 * SSD_ALIGN // 1024} KiB")
-        self.arena = ShmArena(path, slices * self.slice_bytes, create=True)
+        self.arena = ShmArena(path, slices * self.slice_bytes, create=True, stamps=False)
         self.path = str(path)
         self.size = self.arena.size
         self._free = list(range(slices - 1, -1, -1))
