@@ -45,6 +45,7 @@ from kvstore import KeySpace, KVStoreClient, ModelFingerprint, SyncKVStoreClient
 from kvstore.client.buffers import INLINE_COPY_BYTES  # noqa: E402
 from kvstore.client.reads import SHM_SPLIT_BLOCK_BYTES  # noqa: E402
 from kvstore.config import ClientConfig  # noqa: E402
+from kvstore.daemon.arena import remove_files  # noqa: E402
 from kvstore.procs import start  # noqa: E402
 from kvstore.tls import TlsConfig  # noqa: E402
 from kvstore.transport import native  # noqa: E402
@@ -526,8 +527,8 @@ def main() -> int:
             finally:
                 nproc.terminate()
                 nproc.wait(10)
-                if os.path.exists(ninfo.get("shm_path", "")):
-                    os.unlink(ninfo["shm_path"])
+                if ninfo.get("shm_path"):
+                    remove_files(ninfo["shm_path"])
             # The same TCP path with mutual TLS (certificates from kvstore certs), against this store.
             from kvstore.certs import make
 
@@ -548,13 +549,13 @@ def main() -> int:
             finally:
                 tproc.terminate()
                 tproc.wait(10)
-                if os.path.exists(tinfo.get("shm_path", "")):
-                    os.unlink(tinfo["shm_path"])
+                if tinfo.get("shm_path"):
+                    remove_files(tinfo["shm_path"])
         finally:
             proc.terminate()
             proc.wait(10)
-            if os.path.exists(info.get("shm_path", "")):
-                os.unlink(info["shm_path"])
+            if info.get("shm_path"):
+                remove_files(info["shm_path"])
     big = result["sizes"]["2MiB"]
     result["shm_get_over_memcpy"] = big["shm_get_over_memcpy"]
     result["tcp_get_over_socket"] = big["tcp_get_over_socket"]

@@ -56,6 +56,7 @@ from kvstore import (  # noqa: E402
     procs,  # noqa: E402
 )
 from kvstore.config import ClientConfig  # noqa: E402
+from kvstore.daemon.arena import remove_files  # noqa: E402
 from kvstore.daemon.reads import IO_WORKERS, READ_AHEAD  # noqa: E402
 
 # Direct reads kvstore keeps in flight for one large get from SSD: READ_AHEAD submitted per
@@ -211,8 +212,7 @@ def measure_throughput(work: Path, total: int, block: int, reps: int, direct: bo
         for p in (daemon, meta):
             p.terminate()
             p.wait(10)
-        if os.path.exists(dinfo["shm_path"]):
-            os.unlink(dinfo["shm_path"])
+        remove_files(dinfo["shm_path"])
     for k, v in samples.items():
         if not k.endswith("_ratio"):
             out[f"{k}_gbps"] = round(statistics.median(v), 3)
@@ -326,8 +326,7 @@ def measure_restart(work: Path, blocks: int, block_bytes: int) -> dict:
     finally:
         meta.terminate()
         meta.wait(10)
-        for name in ("kvstore-restart-dram", "kvstore-restart-dram.stamp"):
-            Path("/dev/shm", name).unlink(missing_ok=True)
+        remove_files("/dev/shm/kvstore-restart-dram")
     return {"blocks": blocks, "block_bytes": block_bytes, "ready_s": round(ready, 3), "all_served_s": round(served, 3)}
 
 

@@ -14,7 +14,6 @@ transformer instead (``engine/demo.py``, plugged into the CLI by an entry point)
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,7 @@ import numpy as np
 
 from kvstore.client import SyncKVStoreClient
 from kvstore.config import Config
+from kvstore.daemon.arena import remove_files
 from kvstore.keys import KeySpace, ModelFingerprint
 
 
@@ -100,8 +100,8 @@ def run_store_demo(cfg: Config, sessions: int = 6, turns: int = 4, seed: int = 0
         finally:
             proc.terminate()
             proc.wait(10)
-            if os.path.exists(info.get("shm_path", "")):
-                os.unlink(info["shm_path"])
+            if info.get("shm_path"):
+                remove_files(info["shm_path"])
     share = 100.0 * totals["loaded"] / max(1, totals["prompt"])
     speedup = totals["t_full"] / max(1e-9, totals["t_reuse"])
     print(

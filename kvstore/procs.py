@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
+from kvstore.daemon.arena import remove_files
+
 
 class Child:
     """A started server process and what it printed in its READY line."""
@@ -50,9 +52,10 @@ class Child:
                 self.kill()
         shm = self.info.get("shm_path")
         if shm and self.info.get("owns_shm", True) and not keep_shm:
-            for path in (shm, shm + ".served", shm + ".stamp", shm.removesuffix("-dram") + "-staging"):
-                if os.path.exists(path):
-                    os.unlink(path)
+            remove_files(shm)
+            staging = shm.removesuffix("-dram") + "-staging"
+            if os.path.exists(staging):
+                os.unlink(staging)
 
 
 def start(

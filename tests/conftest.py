@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.daemon.arena import remove_files
 from kvstore.procs import Child, start
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,11 +108,11 @@ class Cluster:
         for p in reversed(self.procs):
             p.stop()
         for path in self.shm_paths:
-            for p in (path, path + ".served", path + ".stamp", path.removesuffix("-dram") + "-staging"):
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+            remove_files(path)
+            try:
+                os.unlink(path.removesuffix("-dram") + "-staging")
+            except FileNotFoundError:
+                pass
 
     def wait_served(self, timeout: float = 15.0) -> None:
         """Until every daemon started serves its DRAM segment to reads without a lease (from its

@@ -86,6 +86,16 @@ def _stamp_key(path: str, create: bool) -> bytes | None:
     return key
 
 
+def remove_files(path: str) -> None:
+    """Removes a DRAM segment's files for good: the arena, its stamp key and its lock file (a
+    daemon that starts on the path again makes new ones). Files already gone are fine."""
+    for p in (path, path + ".served", path + ".stamp"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
 class ShmArena:
     """A fixed-size shared-memory segment, mapped read-write.
 

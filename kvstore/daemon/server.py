@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 from kvstore import tickets
 from kvstore.cluster.slots import arena_of
 from kvstore.config import ClusterConfig, DaemonConfig, default_host_id
-from kvstore.daemon.arena import ShmArena
+from kvstore.daemon.arena import ShmArena, remove_files
 from kvstore.daemon.dataport import DataPort
 from kvstore.daemon.links import MetaLink
 from kvstore.daemon.operations import SegmentOps, dram_inventory, inventory_pb
@@ -431,8 +431,7 @@ class CacheDaemon:
         await self.stop()
         if self.cfg.remove_segment_on_drain:
             # Mappings clients still hold stay valid; the memory is freed when they let go.
-            Path(self.dram.path).unlink(missing_ok=True)
-            Path(self.dram.path + ".stamp").unlink(missing_ok=True)
+            remove_files(self.dram.path)
             log.info("event=segment_removed daemon=%s path=%s", self.daemon_id, self.dram.path)
 
     def _direct_reading(self) -> bool:

@@ -10,6 +10,7 @@ import numpy as np
 from conftest import REPO, Proc
 
 from kvstore import KeySpace, ModelFingerprint, SyncKVStoreClient
+from kvstore.daemon.arena import remove_files
 
 
 def test_serve_then_stat_table_and_json(tmp_path):
@@ -44,10 +45,8 @@ def test_serve_then_stat_table_and_json(tmp_path):
         assert int(s["segments"][0]["blocks"]) == 3
     finally:
         p.stop()
-        import os
-
-        if p.info.get("shm_path") and os.path.exists(p.info["shm_path"]):
-            os.unlink(p.info["shm_path"])
+        if p.info.get("shm_path"):
+            remove_files(p.info["shm_path"])
 
 
 def test_stat_against_nothing_is_a_clear_error():
