@@ -100,6 +100,28 @@ def parse_fields(buf, offset: int = 0) -> ExtentHeader | None:  # noqa: ANN001
     return ExtentHeader(key, length, csum, gen, offset, flags, raw_len)
 
 
+def make_secret(path: str | os.PathLike) -> None:
+    """Creates ``path`` holding ``SECRET_BYTES`` fresh random bytes, mode 0600, unless something
+    is there already. Written whole under a private name, then linked into place: a crash never
+    leaves a partial secret, and of two processes making it at once the first link wins."""
+    p = Path(path)
+    if os.path.lexists(p):
+        return
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, os.urandom(SECRET_BYTES))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, p)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class Sealer:
     """Writes and checks the seals of one daemon's headers (its secret never leaves it)."""
 
@@ -126,22 +148,7 @@ class Sealer:
         A daemon keeps it next to its state so that its blocks survive its restarts; a lost
         secret makes every old header unsealed, so nothing old is adopted (fail safe)."""
         p = Path(path)
-        if not p.exists():
-            # Written whole under a private name, then linked into place: a crash never leaves
-            # a partial secret, and of two daemons starting at once the first link wins.
-            tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, os.urandom(SECRET_BYTES))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, p)
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink(missing_ok=True)
+        make_secret(p)
         secret = p.read_bytes()
         if len(secret) != SECRET_BYTES:
             raise ValueError(f"{p} holds {len(secret)} bytes, expected a {SECRET_BYTES}-byte secret")

@@ -431,11 +431,11 @@ class ShardedMeta:
         # stored none of its blocks that the writer can count on: NOT_WRITTEN, so that the writer
         # puts them again (a block that did commit is then skipped as stored) without holding it
         # against their daemon.
+        status = np.full(total, common_pb2.COMMIT_NOT_WRITTEN, dtype=np.uint8)
+        committed = 0
         # Its reservation goes back now (as a single service's does, kvstore.client.writes), or
         # the retry would be told its blocks are being written (skipped) by the put it gave up;
         # a shard that began the commit no longer holds the put, and the abort changes nothing.
-        status = np.full(total, common_pb2.COMMIT_NOT_WRITTEN, dtype=np.uint8)
-        committed = 0
         failed = [
             (s, meta_pb2.PutAbortRequest(put_id=p))
             for (s, p, _r), a in zip(parts, answers)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.extent import CLEARED, HEADER_SIZE, SECRET_BYTES, Sealer, Stamper
+from kvstore.extent import CLEARED, HEADER_SIZE, SECRET_BYTES, Sealer, Stamper, make_secret
 
 
 def _check_owner(fd: int, path: str) -> None:
@@ -51,23 +51,12 @@ def _lock_owner(fd: int, path: str, wait_s: float = 2.0) -> None:
 
 def _stamp_key(path: str, create: bool) -> bytes | None:
     """The arena's stamp key, in ``<arena>.stamp`` (:mod:`kvstore.extent`): made once by the
-    daemon (whole, under a private name, then linked into place, mode 0600), read by a client;
-    never through a link, and only from a file of this process's user. None for a client that
-    finds none (a daemon older than the stamp): it cannot write there."""
+    daemon (:func:`kvstore.extent.make_secret`), read by a client; never through a link, and
+    only from a file of this process's user. None for a client that finds none (a daemon older
+    than the stamp, which commits without one)."""
     p = path + ".stamp"
-    if create and not os.path.lexists(p):
-        tmp = f"{path}.stamp.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, os.urandom(SECRET_BYTES))
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, p)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
+    if create:
+        make_secret(p)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:

@@ -1,9 +1,9 @@
 """Same-host transport: the client maps the daemon's shared-memory segment and copies.
 
 Reads copy then verify the checksum on the copy (the only bytes that matter are the ones the
-caller got); writes clear the header, copy the payload and stamp the extent written for its placement. The
-header is the daemon's to write, sealed, when the metadata service commits the put (a writer
-cannot make bytes look committed), over that stamp only (kvstore.extent).
+caller got); writes clear the header, copy the payload and stamp the extent written for its
+placement. The header is the daemon's to write, sealed, when the metadata service commits the
+put (a writer cannot make bytes look committed), over that stamp only (kvstore.extent).
 """
 
 from __future__ import annotations

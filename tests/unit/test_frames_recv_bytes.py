@@ -107,18 +107,25 @@ def _trickle(s: socket.socket, n: int, every_s: float, stop: threading.Event) ->
         time.sleep(every_s)
 
 
+def _pair(timeouts: str) -> tuple[socket.socket, socket.socket]:
+    """A socket pair whose reading side waits at most 0.3 s for bytes: by a kernel timeout (the
+    data port's plain sockets) or a Python-level one (TLS)."""
+    a, b = socket.socketpair()
+    if timeouts == "kernel":
+        kernel_timeouts(b, 0.3)
+    else:
+        b.settimeout(0.3)
+    return a, b
+
+
 @pytest.mark.parametrize("timeouts", ["kernel", "python"])
 def test_a_trickle_under_the_least_rate_is_a_stall_and_a_steady_stream_is_not(timeouts):
     """A byte every 0.05 s, each within the socket's 0.3 s timeout: the read raises TimeoutError
     once it has waited out the timeout at under the least rate (kernel timeouts: the data port's
     plain sockets; a Python-level one: TLS), instead of lasting as long as the trickle. 4 MiB
     sent in pieces with pauses shorter than the timeout arrives whole."""
-    a, b = socket.socketpair()
+    a, b = _pair(timeouts)
     with a, b:
-        if timeouts == "kernel":
-            kernel_timeouts(b, 0.3)
-        else:
-            b.settimeout(0.3)
         stop = threading.Event()
         t = threading.Thread(target=_trickle, args=(a, 200, 0.05, stop))
         t.start()
@@ -129,12 +136,8 @@ def test_a_trickle_under_the_least_rate_is_a_stall_and_a_steady_stream_is_not(ti
         stop.set()
         t.join()
         assert took < 2.0  # the trickle would have lasted 10 s
-    a, b = socket.socketpair()
+    a, b = _pair(timeouts)
     with a, b:
-        if timeouts == "kernel":
-            kernel_timeouts(b, 0.3)
-        else:
-            b.settimeout(0.3)
         data = random.Random(5).randbytes(4 * MB)
 
         def steady() -> None:
