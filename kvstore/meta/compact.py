@@ -181,9 +181,9 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Compa
     # ---- dropping ---------------------------------------------------------------------------
 
     def _drop(self, row: int, free: bool = True, hold_until: float | None = None) -> None:
-        """A block leaves the index; its extent is freed now or when its last lease ends, or
+        """A block leaves the index; its extents are freed now or when its last lease ends, or
         (``hold_until``: a put's reservation whose write tickets are still good) at that time
-        (``free=False``, its daemon was lost: the space goes with the daemon). A block its
+        (``free=False``, its daemon was lost: the space goes with the daemon). Each replica its
         daemon may hold committed leaves a tombstone."""
         t = self.table
         f = int(t.flags[row])
@@ -200,12 +200,96 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Compa
             self._tombstone_item(
                 seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, t.key(row), int(t.off[row]), int(t.gen[row]))
             )
+        for i in t.copies.of(row):
+            cs = self.segments[int(t.copies.seg[i])]
+            cs.blocks -= 1
+            if f & PINNED:
+                cs.pinned -= 1
+            if free:
+                self._tombstone_item(
+                    cs.daemon.spec.daemon_id,
+                    Tombstone(cs.spec.segment_id, t.key(row), int(t.copies.off[i]), int(t.copies.gen[i])),
+                )
+        if not free:  # their daemon is lost: the copies' space goes with it
+            for i in t.copies.of(row):
+                t.copies.remove(i)
         if t.leases[row] == 0:
             if free and hold_until is None:
                 seg.alloc.release(int(t.off[row]), int(t.size[row]))
             elif free:
                 self._quarantine.hold(seg, int(t.off[row]), int(t.size[row]), hold_until)
-            t.free(row)
+            self._free_row(row)
+
+    def _free_row(self, row: int) -> None:
+        """An unlinked row with no lease left goes back to the table, the extents of its copies
+        (tombstoned when it was dropped) to their allocators, where their daemon is still known."""
+        t = self.table
+        for i in t.copies.of(row):
+            seg = self.segments.get(int(t.copies.seg[i]))
+            if seg is not None and self._current(seg):
+                seg.alloc.release(int(t.copies.off[i]), int(t.copies.size[i]))
+            t.copies.remove(i)
+        t.free(row)
+
+    # ---- replicas ---------------------------------------------------------------------------
+
+    def _add_copy(self, row: int, seg: Segment, offset: int, size: int, gen: int) -> None:
+        """``row``'s block is also committed at ``offset`` of ``seg`` (a lower tier of its daemon)."""
+        t = self.table
+        t.copies.add(row, seg.ref, offset, size, gen)
+        seg.blocks += 1
+        if t.flags[row] & PINNED:
+            seg.pinned += 1
+
+    def _drop_copy(self, row: int, i: int) -> None:
+        """Drops copy ``i`` of an unleased ``row``: tombstoned, its extent freed; the block stays."""
+        t = self.table
+        seg = self.segments[int(t.copies.seg[i])]
+        self._tombstone_item(
+            seg.daemon.spec.daemon_id,
+            Tombstone(seg.spec.segment_id, t.key(row), int(t.copies.off[i]), int(t.copies.gen[i])),
+        )
+        seg.alloc.release(int(t.copies.off[i]), int(t.copies.size[i]))
+        seg.blocks -= 1
+        if t.flags[row] & PINNED:
+            seg.pinned -= 1
+        t.copies.remove(i)
+
+    def _drop_primary(self, row: int) -> None:
+        """Drops the primary replica of an unleased ``row`` that has a copy: the copy becomes its
+        primary (what readers get from then on); the block stays, with its recency and count."""
+        t = self.table
+        i = t.copies.of(row)[0]
+        seg = self.segments[int(t.seg[row])]
+        self._tombstone_item(
+            seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, t.key(row), int(t.off[row]), int(t.gen[row]))
+        )
+        seg.alloc.release(int(t.off[row]), int(t.size[row]))
+        seg.blocks -= 1
+        if t.flags[row] & PINNED:
+            seg.pinned -= 1
+        t.seg[row], t.off[row], t.size[row], t.gen[row] = (
+            t.copies.seg[i],
+            t.copies.off[i],
+            t.copies.size[i],
+            t.copies.gen[i],
+        )
+        t.copies.remove(i)  # (its segment's block and pin counts now count the primary)
+
+    def _evict(self, row: int, seg: Segment) -> None:
+        """Makes room in ``seg`` by dropping ``row``'s replica there: the whole block if that is
+        its only one, else just that replica (a clean drop: the block is still held)."""
+        t = self.table
+        if not t.copy[row]:
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += int(t.length[row])
+            self._drop(row)
+            return
+        self.counters["dropped_clean"] += 1
+        if int(t.seg[row]) == seg.ref:
+            self._drop_primary(row)
+        else:
+            self._drop_copy(row, t.copies.first_on(row, seg.ref))
 
     # ---- management -------------------------------------------------------------------------
 
@@ -225,13 +309,13 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Compa
         for row in self._find(packed_keys)[1].tolist():
             if row < 0 or not t.flags[row] & READY or bool(t.flags[row] & PINNED) == pinned:
                 continue
-            seg = self.segments[int(t.seg[row])]
+            step = 1 if pinned else -1
+            for ref in [int(t.seg[row])] + [int(t.copies.seg[i]) for i in t.copies.of(row)]:
+                self.segments[ref].pinned += step
             if pinned:
                 t.flags[row] |= PINNED
-                seg.pinned += 1
             else:
                 t.flags[row] &= 0xFF ^ PINNED
-                seg.pinned -= 1
                 if t.is_evictable(row):
                     t.stamp_one(row)
             n += 1
@@ -295,13 +379,19 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Compa
         targets: dict[int, list[tuple[int, int]]] = {}
         for seg, offset, size in self._move_extents():
             targets.setdefault(seg.ref, []).append((offset, size))
+        c = t.copies
+        crow = c.row[: c.used]
+        cok = crow >= 0
         for ref, seg in self.segments.items():
             on = t.seg[:n] == ref
+            con = cok & (c.seg[: c.used] == ref)  # copies there (their rows are live or leased)
+            cro = crow[con]
             if self._current(seg):
                 seg.alloc.check_integrity()
                 q = quarantined.get(ref, [])
                 assert seg.quarantined == sum(size for _, size in q), f"segment {ref}: quarantined {seg.quarantined}"
                 used = int(t.size[:n][on & (live | held)].sum(dtype=np.uint64))
+                used += int(c.size[: c.used][con].sum(dtype=np.uint64))
                 moving = sum(size for _, size in targets.get(ref, []))
                 assert seg.alloc.used == used + seg.quarantined + moving, (
                     f"segment {ref}: allocator used {seg.alloc.used} != blocks {used} + quarantined "
@@ -309,8 +399,23 @@ class CompactIndex(Checks, CompactMembership, CompactReads, CompactWrites, Compa
                 )
                 mine = np.flatnonzero(on & (live | held))
                 seg.alloc.check_disjoint(
-                    list(zip(t.off[mine].tolist(), t.size[mine].tolist())) + q + targets.get(ref, [])
+                    list(zip(t.off[mine].tolist(), t.size[mine].tolist()))
+                    + list(zip(c.off[: c.used][con].tolist(), c.size[: c.used][con].tolist()))
+                    + q
+                    + targets.get(ref, [])
                 )
-            assert seg.blocks == int((on & live).sum()), f"segment {ref}: block count {seg.blocks}"
-            assert seg.pinned == int((on & live & ((t.flags[:n] & PINNED) != 0)).sum()), f"segment {ref}: pinned"
+            copies_live = int(live[cro].sum()) if len(cro) else 0
+            assert seg.blocks == int((on & live).sum()) + copies_live, f"segment {ref}: block count {seg.blocks}"
+            pinned = (t.flags[:n] & PINNED) != 0
+            copies_pinned = int((live[cro] & pinned[cro]).sum()) if len(cro) else 0
+            assert seg.pinned == int((on & live & pinned).sum()) + copies_pinned, f"segment {ref}: pinned"
             assert seg.leased == int((on & (t.leases[:n] > 0)).sum()), f"segment {ref}: leased {seg.leased}"
+        # A copy is of a committed block, in a lower tier of the same daemon.
+        for row in np.unique(crow[cok]).tolist():
+            if not t.flags[row] & LIVE:
+                continue  # dropped while leased: its copies' extents go when the last lease ends
+            assert t.flags[row] & READY, f"row {row} has a copy but is not committed"
+            top = self.segments[int(t.seg[row])]
+            for i in c.of(row):
+                low = self.segments[int(c.seg[i])]
+                assert low.daemon is top.daemon and low.spec.tier > top.spec.tier, f"copy {i} of row {row}"

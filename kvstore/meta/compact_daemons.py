@@ -11,8 +11,8 @@ import numpy as np
 
 from kvstore.meta.allocator import Allocator
 from kvstore.meta.membership import DaemonLife
-from kvstore.meta.records import Daemon, InventoryItem, Segment, SegmentSpec
-from kvstore.meta.table import LIVE, WRITTEN, words
+from kvstore.meta.records import Daemon, InventoryItem, Segment, SegmentSpec, Tier
+from kvstore.meta.table import LIVE, READY, WRITTEN, words
 
 
 class CompactMembership(DaemonLife):
@@ -24,10 +24,26 @@ class CompactMembership(DaemonLife):
         return seg
 
     def _adopt(self, daemon: Daemon, seg: Segment, it: InventoryItem, size: int) -> bool:
-        """Adopts one inventory item as a committed block; False (nothing changed) if the key is
-        stored anywhere already (a block has one replica here) or the table is full."""
+        """Adopts one inventory item as a committed block, or as a clean copy of one (the
+        daemon holds the block committed in its DRAM and on its SSD: the DRAM replica, adopted
+        first, is what readers get); False (nothing changed) if it clashes with what the index
+        holds: a block being written, stored on another daemon or on this tier already, of
+        another length, or the table is full."""
         t = self.table
-        if t.find(words(it.key))[0] >= 0 or t.room() < 1:
+        row = int(t.find(words(it.key))[0])
+        if row >= 0:
+            if (
+                int(t.flags[row]) & READY
+                and not t.copy[row]
+                and seg.spec.tier == Tier.SSD
+                and self.segments[int(t.seg[row])] is daemon.tier(Tier.DRAM)
+                and int(t.length[row]) == it.length
+                and int(t.csum[row]) == it.checksum
+            ):
+                self._add_copy(row, seg, it.offset, size, it.gen)
+                return True
+            return False
+        if t.room() < 1:
             return False
         freq = self.policy.entering(it.key)
         row = t.add(words(it.key))

@@ -27,6 +27,9 @@ from kvstore.meta.duel import MAX_COUNT, SAMPLE
 from kvstore.meta.table import LIVE, BlockTable, words
 
 _SHIFT = np.uint64(EPOCH_SHIFT)
+# Least recent rows looked at for a clean drop (a block with a copy elsewhere) in the DRAM of a
+# daemon with an SSD: a bound on the search, as the object index's; past it, nothing qualifies.
+CLEAN_SCAN = 512
 _LOW = np.uint64(MAX_COUNT)
 
 
@@ -59,8 +62,12 @@ class TableLru:
     def leaving(self, row: int) -> None:
         """``row`` is about to leave the table."""
 
-    def victim(self, seg_ref: int) -> int:
-        """The row to evict from segment ``seg_ref`` (-1: none is evictable)."""
+    def victim(self, seg_ref: int, clean: bool = False) -> int:
+        """The row to evict from segment ``seg_ref`` (-1: none is evictable); ``clean``: only a
+        row with a copy elsewhere (:func:`clean_rows`)."""
+        if clean:
+            rows = clean_rows(self.table, seg_ref)
+            return int(rows[0]) if len(rows) else -1
         return self.table.oldest(seg_ref)
 
     def admits(self, key: bytes, victim: int) -> bool:
@@ -79,6 +86,13 @@ class TableLru:
 
     def check_integrity(self) -> None:
         """Nothing of its own to check."""
+
+
+def clean_rows(t: BlockTable, seg_ref: int) -> np.ndarray:
+    """Among the :data:`CLEAN_SCAN` least recently used evictable rows of segment ``seg_ref``
+    (whose primary replica is there), those with a copy elsewhere, oldest first."""
+    rows = t.oldest_batch(seg_ref, CLEAN_SCAN)
+    return rows[(t.copy[rows] != 0) & (t.seg[rows] == seg_ref)]
 
 
 def _oldest_worth(t: BlockTable, seg_ref: int, want: int, at_least: int = 1) -> np.ndarray:
@@ -155,12 +169,20 @@ class TableAdaptive(AdaptiveCounts, TableLru):
         row = int(self.table.find(words(key))[0])
         return aged(int(self.table.freq[row]), self.epoch) if row >= 0 else self._history_count(key)
 
-    def victim(self, seg_ref: int) -> int:
-        oldest = self.table.oldest_batch(seg_ref, 1)
+    def victim(self, seg_ref: int, clean: bool = False) -> int:
+        oldest = clean_rows(self.table, seg_ref) if clean else self.table.oldest_batch(seg_ref, 1)
         if not len(oldest):
             return -1  # nothing evictable: not asked, as the object index does not ask its policy
         self.drain()
         self.duel.free = False
+        if clean:  # the mode's choice among the few that qualify (no second chance given)
+            if self.frequency_mode:
+                rows = oldest[:SAMPLE]
+                return int(rows[int(np.argmin(np.maximum(_aged(self.table.freq[rows], self.epoch), 1)))])
+            if self.second_chance_mode:
+                fresh = oldest[self.table.again[oldest] != self._spell]
+                return int(fresh[0] if len(fresh) else oldest[0])
+            return int(oldest[0])
         if self.second_chance_mode:
             return self._second_chance(seg_ref)
         if not self.frequency_mode:

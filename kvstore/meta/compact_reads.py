@@ -80,7 +80,7 @@ class CompactReads:
         seg.leased -= 1
         if not t.flags[row] & LIVE:
             seg.alloc.release(int(t.off[row]), int(t.size[row]))
-            t.free(row)
+            self._free_row(row)
             if not seg.leased and self.daemons.get(seg.daemon.spec.daemon_id) is not seg.daemon:
                 del self.segments[seg.ref]  # its daemon was lost; this was the last block held there
         elif t.is_evictable(row):
@@ -93,12 +93,31 @@ class CompactReads:
         del self.leases[lease_id]
         rows = lease.rows.tolist()
         t = self.table
+        partial = []  # (row, copy read or -1): a block with another copy loses only the bad one
         for i in bad:
-            if t.flags[rows[i]] & LIVE and t.gen[rows[i]] == lease.gens[i]:
-                self.counters["corrupt_reported"] += 1
-                self._drop(rows[i])
+            row, gen = rows[i], int(lease.gens[i])
+            if not t.flags[row] & LIVE:
+                continue
+            # The copy read: the primary, or a copy (the block was promoted meanwhile).
+            copy = next((c for c in t.copies.of(row) if int(t.copies.gen[c]) == gen), -1)
+            if int(t.gen[row]) != gen and copy < 0:
+                continue  # moved since: the copy read is gone already
+            self.counters["corrupt_reported"] += 1
+            if t.copy[row]:
+                partial.append((row, copy))
+            else:
+                self._drop(row)
         for row in reversed(rows):  # tail first: the chain's head ends up most recent
             self._unlease(row)
+        for row, copy in partial:
+            if not t.flags[row] & LIVE:
+                continue
+            if t.leases[row]:  # still read under other leases: the whole block goes
+                self._drop(row)
+            elif copy >= 0:
+                self._drop_copy(row, copy)
+            else:
+                self._drop_primary(row)
 
     def _access(self, packed: bytes, hits: int) -> None:
         """A read of a chain, for the cache policy (the keys spelled out only where it counts)."""
@@ -132,13 +151,18 @@ class CompactReads:
         return stored
 
     def tiers(self, packed_keys: bytes) -> tuple[bytes, dict[str, tuple[str, bytearray]]]:
-        """Where each key is, per tier (see ``Index.tiers``): a block has one replica here, so
-        one bit per committed key."""
+        """Where each key is, per tier (see ``Index.tiers``):
+        a bit per tier that holds a replica of a committed key."""
         _, rows, ready = self._find(packed_keys)
         out = np.zeros(len(rows), dtype=np.uint8)
         t = self.table
-        for ref in np.unique(t.seg[rows[ready]]).tolist():
+        at = np.maximum(rows, 0)
+        refs = set(t.seg[rows[ready]].tolist())
+        if t.copies.count:
+            for row in rows[ready].tolist():
+                refs.update(int(t.copies.seg[i]) for i in t.copies.of(row))
+        for ref in refs:
             tier = self.segments[ref].spec.tier
             if tier in (Tier.DRAM, Tier.SSD):
-                out[ready & (t.seg[np.maximum(rows, 0)] == ref)] = 1 << (tier - 1)
+                out[ready & t.on_segment(at, ref)] |= 1 << (tier - 1)
         return out.tobytes(), self.engine_tier.held(unpack_keys(packed_keys))

@@ -1,7 +1,7 @@
 """Tier moves in the compact index (:class:`kvstore.meta.compact.CompactIndex`): a daemon's DRAM
-above its high watermark sends its least recently used blocks to its SSD, and blocks read from
-SSD come back to DRAM, as in the object index (:mod:`kvstore.meta.tiers`), but with one replica
-per block: the row stays where the block is found, and a finished move points it at the copy.
+above its high watermark sends its least recently used blocks to its SSD (or just drops their
+DRAM copy where a clean SSD copy exists), and blocks read from SSD come back to DRAM: the row
+stays where the block is found, and a finished move points its primary replica at the copy.
 A mixin over the compact index's state (``table``, ``segments``, ``daemons``, ``leases``,
 ``moves``, ``promote_queue``, ``counters``).
 
@@ -9,11 +9,13 @@ A move holds a lease on its row for its duration, so the row is neither evicted,
 again, nor reused by another block (a row is freed only when its last lease ends) while the
 daemon copies; the SSD extent is reserved in the move, not in the table. When the copy is
 done and the row still holds the block that was copied (same generation, still committed),
-the row takes the new location and the old copy leaves: a tombstone tells the daemon, and its
-extent goes back at once, or, if readers leased the block meanwhile, once the last of their
-leases can have ended (the tombstone goes out at once, as the object index's do: a reader of the
-old copy finds it gone and asks again, it never finds another block there). Otherwise the new copy leaves instead. A promoted
-block keeps no SSD copy (the object index keeps one, so that demoting it again costs no copy).
+the row takes the new location. A demoted block's DRAM copy leaves: a tombstone tells the
+daemon, and its extent goes back at once, or, if readers leased the block meanwhile, once the
+last of their leases can have ended (the tombstone goes out at once: a reader of the old copy
+finds it gone and asks again, it never finds another block there). A promoted block keeps its
+SSD copy as a clean copy (:mod:`kvstore.meta.copies`): demoting it again is a drop of the DRAM
+copy, and puts short of DRAM may drop it at once (:meth:`~kvstore.meta.compact.CompactIndex._evict`).
+If the row no longer holds the block copied, the new copy leaves instead.
 """
 
 from __future__ import annotations
@@ -130,6 +132,11 @@ class CompactTierMoves:
         for row in self.policy.demotion_order(dram.ref, limit):
             if planned >= limit:
                 break
+            if t.copy[row]:  # a clean SSD copy already: the DRAM copy just goes
+                planned += int(t.size[row])
+                self.counters["dropped_clean"] += 1
+                self._drop_primary(row)
+                continue
             length = int(t.length[row])
             size = extent_size(length, ssd.align)
             if size > ssd.alloc.capacity:
@@ -160,20 +167,25 @@ class CompactTierMoves:
         if ok and same and self._current(dst.segment):
             seg = dst.segment
             size = seg.trim(dst.offset, dst.size, stored_size)
-            self._tombstone_item(
-                src.segment.daemon.spec.daemon_id, Tombstone(src.segment.spec.segment_id, src.key, src.offset, src.gen)
-            )
-            if t.leases[row] > 1:  # leased meanwhile: the old extent is not reused while those leases last
-                until = max((x.deadline for x in self.leases.values() if (x.rows == row).any()), default=0.0)
-                self._quarantine.hold(src.segment, src.offset, src.size, until)
-            else:
-                src.segment.alloc.release(src.offset, src.size)
+            if mv.demote:  # the DRAM copy leaves
+                self._tombstone_item(
+                    src.segment.daemon.spec.daemon_id,
+                    Tombstone(src.segment.spec.segment_id, src.key, src.offset, src.gen),
+                )
+                if t.leases[row] > 1:  # leased meanwhile: the old extent is not reused while those leases last
+                    until = max((x.deadline for x in self.leases.values() if (x.rows == row).any()), default=0.0)
+                    self._quarantine.hold(src.segment, src.offset, src.size, until)
+                else:
+                    src.segment.alloc.release(src.offset, src.size)
+                src.segment.blocks -= 1
+                if t.flags[row] & PINNED:
+                    src.segment.pinned -= 1
+            else:  # promoted: the SSD copy stays, clean, so that leaving DRAM again costs no copy
+                t.copies.add(row, src.segment.ref, src.offset, src.size, src.gen)
             src.segment.leased -= 1  # the row (leased, by the move at least) changes segment
             seg.leased += 1
-            src.segment.blocks -= 1
             seg.blocks += 1
             if t.flags[row] & PINNED:
-                src.segment.pinned -= 1
                 seg.pinned += 1
             t.seg[row], t.off[row], t.size[row], t.gen[row] = seg.ref, dst.offset, size, dst.gen
             kind = "demoted" if mv.demote else "promoted"

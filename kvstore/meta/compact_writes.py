@@ -138,42 +138,51 @@ class CompactWrites:
         eviction (the cache policy's victims), preferred segment first. None: nothing can be
         evicted; ``DECLINED``: the policy judged ``key`` colder than what it would evict.
 
-        No eviction makes room in the DRAM of a daemon that has an SSD: a block there has no
-        other copy (one replica per block), and its way out of DRAM is demotion, so room is made
-        on the SSD, where the least valuable blocks are (as on the object index, whose DRAM
-        victims there must already have an SSD copy)."""
+        In the DRAM of a daemon that has an SSD, only blocks that also have a clean SSD copy
+        make room, and they do before a put spills to that SSD's free space (their DRAM copy is
+        dropped, the block stays on SSD: nothing is lost, so the policy is not asked to admit);
+        the others leave DRAM by demotion, never by eviction."""
         for seg in segments:
-            off = seg.alloc.alloc(extent_size(length, seg.align))
+            size = extent_size(length, seg.align)
+            off = seg.alloc.alloc(size)
+            if off is None and size <= seg.alloc.capacity and self._tiered_dram(seg):
+                off = self._room_in(seg, size, clean=True)
             if off is not None:
                 return seg, off
         judge = [key]  # the policy judges the block once, against the first victim
         for seg in segments:
-            if seg.spec.tier == Tier.DRAM and seg.daemon.tier(Tier.SSD) is not None:
-                continue
-            off = self._room_in(seg, extent_size(length, seg.align), judge)
+            size = extent_size(length, seg.align)
+            if size > seg.alloc.capacity or self._tiered_dram(seg):
+                continue  # (clean drops were tried above)
+            off = self._room_in(seg, size, judge)
             if off is DECLINED:
                 return DECLINED
             if off is not None:
                 return seg, off
         return None
 
-    def _room_in(self, seg: Segment, size: int, judge: list[bytes] | None = None) -> int | object | None:
+    @staticmethod
+    def _tiered_dram(seg: Segment) -> bool:
+        return seg.spec.tier == Tier.DRAM and seg.daemon.tier(Tier.SSD) is not None
+
+    def _room_in(
+        self, seg: Segment, size: int, judge: list[bytes] | None = None, clean: bool = False
+    ) -> int | object | None:
         """An extent of ``size`` bytes in ``seg``, the cache policy's victims there evicted until
         one is free; None if no eviction there makes room (the rest is leased, pinned or being
         written). ``judge``: the key of a block being put, while the policy has yet to admit it
-        (emptied once it has; ``DECLINED`` if it does not)."""
-        t = self.table
+        (emptied once it has; ``DECLINED`` if it does not). ``clean``: only replicas whose block
+        has another copy may go (:data:`~kvstore.meta.compact_policy.CLEAN_SCAN` least recent
+        looked at)."""
         off = seg.alloc.alloc(size)
         while off is None:
-            victim = self.policy.victim(seg.ref)
+            victim = self.policy.victim(seg.ref, clean=clean)
             if victim < 0:
                 return None
             if judge:
                 if not self.policy.admits(judge.pop(), victim):
                     return DECLINED
-            self.counters["evictions"] += 1
-            self.counters["evicted_bytes"] += int(t.length[victim])
-            self._drop(victim)
+            self._evict(victim, seg)
             off = seg.alloc.alloc(size)
         return off
 

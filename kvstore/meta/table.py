@@ -31,6 +31,7 @@ import numpy as np
 
 from kvstore.errors import ResourceExhausted
 from kvstore.keys import KEY_BYTES
+from kvstore.meta.copies import Copies
 
 # Flags.
 LIVE = 1  # in the hash table (a stored or pending block)
@@ -47,6 +48,7 @@ _COLUMNS = (
     ("csum", np.uint64, 1), ("gen", np.uint64, 1),
     ("recent", np.uint64, 1),  # recency: larger is more recent
     ("leases", np.uint32, 1), ("flags", np.uint8, 1),
+    ("copy", np.uint32, 1),  # the row's first further replica (kvstore.meta.copies), 0: none
 )  # fmt: skip
 # Kept only for the adaptive policy (kvstore.meta.compact_policy): a block's access count
 # (epoch << 8 | count) and second chance's mark (the spell it was read again in).
@@ -93,6 +95,7 @@ class BlockTable:
         self._columns = _COLUMNS + (COUNT_COLUMNS if counts else ())
         for name, t, w in self._columns:
             setattr(self, name, np.zeros((self.cap, w) if w > 1 else self.cap, dtype=t))
+        self.copies = Copies(self.copy)
         self.n_rows = 0  # rows ever used (a high-water mark); free ones are on _free
         self._free = np.empty(64, dtype=np.int64)
         self._n_free = 0
@@ -241,6 +244,7 @@ class BlockTable:
             new[: self.n_rows] = old[: self.n_rows]
             setattr(self, name, new)
         self.cap = cap
+        self.copies.relink(self.copy)
 
     def add(self, q: np.ndarray) -> np.ndarray:
         """New rows (flags LIVE, other columns zero) for keys ((n, 2) words) not in the table,
@@ -328,7 +332,7 @@ class BlockTable:
                 r = int(rows[pos])
                 if (
                     recent[r] == stamps[pos]
-                    and seg[r] == seg_ref
+                    and (seg[r] == seg_ref or (self.copy[r] and self.copies.first_on(r, seg_ref) >= 0))
                     and (flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)
                     and leases[r] == 0
                 ):
@@ -355,7 +359,7 @@ class BlockTable:
             r, st = rows[pos:], stamps[pos:]
             ok = (
                 (self.recent[r] == st)
-                & (self.seg[r] == seg_ref)
+                & self.on_segment(r, seg_ref)
                 & ((self.flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY))
                 & (self.leases[r] == 0)
             )
@@ -376,6 +380,9 @@ class BlockTable:
             & (self.leases[:n] == 0)
             & (self.seg[:n] == seg_ref)
         )
+        if self.copies.count:  # and the rows with a copy there
+            ok[self.copies.rows_on(seg_ref)] = True
+            ok &= ((f & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)) & (self.leases[:n] == 0)
         cand = np.flatnonzero(ok)
         # Enough for many evictions per pass (a pass costs the whole table), few enough to sort
         # and hold (16 bytes each).
@@ -387,6 +394,13 @@ class BlockTable:
         order = np.argsort(st, kind="stable")
         return cand[order], st[order]
 
+    def on_segment(self, rows: np.ndarray, seg_ref: int) -> np.ndarray:
+        """Whether each of ``rows`` has a replica (its primary or a copy) on ``seg_ref``."""
+        out = self.seg[rows] == seg_ref
+        if self.copies.count:
+            out |= self.copies.on(rows, seg_ref)
+        return out
+
     def forget_segment(self, seg_ref: int) -> None:
         self._oldest.pop(seg_ref, None)
 
@@ -394,7 +408,8 @@ class BlockTable:
 
     def nbytes(self) -> int:
         """Bytes held by the columns, the hash table and the free-row stack."""
-        return sum(getattr(self, n).nbytes for n, _, _ in self._columns) + self.slots.nbytes + self._free.nbytes
+        cols = sum(getattr(self, n).nbytes for n, _, _ in self._columns)
+        return cols + self.slots.nbytes + self._free.nbytes + self.copies.nbytes()
 
     def check_integrity(self) -> None:
         live = np.flatnonzero(self.flags[: self.n_rows] & LIVE)
@@ -409,6 +424,8 @@ class BlockTable:
         free = self._free[: self._n_free]
         assert len(set(free.tolist())) == len(free), "a row is free twice"
         assert not (self.flags[free] & LIVE).any(), "a free row is live"
+        assert not self.copy[free].any(), "a free row has copies"
+        self.copies.check_integrity(self.n_rows)
 
 
 assert KEY_BYTES == 16  # two 64-bit words per key

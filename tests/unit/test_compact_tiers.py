@@ -78,7 +78,7 @@ def test_dram_above_its_high_watermark_sends_its_least_recent_blocks_to_ssd() ->
     assert ix.counters["demoted"] == 3
 
 
-def test_blocks_read_from_ssd_come_back_to_dram_without_their_ssd_copy() -> None:
+def test_blocks_read_from_ssd_come_back_to_dram_and_keep_their_ssd_copy() -> None:
     ix, _ = tiered(dram_slots=8, high=0.5, low=0.0)
     put(ix, 1, 2, 3, 4, 5)
     for m in ix.plan_moves()["d1"]:  # all of DRAM to SSD
@@ -96,11 +96,172 @@ def test_blocks_read_from_ssd_come_back_to_dram_without_their_ssd_copy() -> None
     for m in moves:
         ix.finish_move(m.move_id, True)
     ix.check_integrity()
-    assert tiers_of(ix, 1, 2, 3, 4, 5) == [1, 1, 1, 2, 2] and ix.counters["promoted"] == 3
-    assert ssd.blocks == 2 and ssd.alloc.used == 2 * SSD_ALIGN
-    assert {(t.segment_id, t.key) for t in ix.take_tombstones()["d1"]} == {(2, key(i)) for i in (1, 2, 3)}
+    # Both tiers hold 1-3 (bit 0: DRAM, bit 1: SSD); the SSD copies stay, clean: no tombstone.
+    assert tiers_of(ix, 1, 2, 3, 4, 5) == [3, 3, 3, 2, 2] and ix.counters["promoted"] == 3
+    assert ssd.blocks == 5 and ssd.alloc.used == 5 * SSD_ALIGN and dram.blocks == 3
+    assert ix.take_tombstones() == {}
     n, _, rows = ix.lookup(b"".join(key(i) for i in (1, 2, 3, 4, 5)), with_locations=True)
     assert n == 5 and [x.checksum for x in ix.locations(rows)] == [csum(key(i)) for i in (1, 2, 3, 4, 5)]
+    # Readers get the DRAM replica.
+    assert [x.segment for x in ix.locations(rows[:3])] == [dram] * 3
+
+
+def promoted(ix: CompactIndex, *ids: int) -> None:
+    """Demotes everything in DRAM to SSD, then reads ``ids`` and promotes them back."""
+    for m in ix.plan_moves().get("d1", []):
+        ix.finish_move(m.move_id, True)
+    lease = ix.acquire(b"".join(key(i) for i in ids))
+    ix.release(lease.lease_id)
+    for m in ix.plan_moves()["d1"]:
+        assert not m.demote
+        ix.finish_move(m.move_id, True)
+    ix.take_tombstones()
+    ix.check_integrity()
+
+
+def test_demoting_a_block_with_a_clean_ssd_copy_drops_its_dram_copy_without_a_move() -> None:
+    ix, _ = tiered(dram_slots=8, high=0.5, low=0.0)
+    put(ix, 1, 2, 3, 4, 5)
+    promoted(ix, 1, 2, 3)
+    dram, ssd = dram_ssd(ix)
+    put(ix, 6, 7)  # DRAM 5 of 8: above the high watermark again
+    moves = ix.plan_moves()["d1"]
+    # 1-3 had SSD copies: dropped from DRAM at once; 6 and 7 are moved.
+    assert sorted(m.src.key for m in moves) == sorted([key(6), key(7)])
+    assert ix.counters["dropped_clean"] == 3
+    dead = ix.take_tombstones()["d1"]
+    assert {(t.segment_id, t.key) for t in dead} == {(1, key(i)) for i in (1, 2, 3)}
+    for m in moves:
+        ix.finish_move(m.move_id, True)
+    ix.check_integrity()
+    assert tiers_of(ix, 1, 2, 3, 4, 5, 6, 7) == [2] * 7 and dram.blocks == 0 and ssd.blocks == 7
+    n, _, rows = ix.lookup(b"".join(key(i) for i in range(1, 8)), with_locations=True)
+    assert n == 7 and [x.checksum for x in ix.locations(rows)] == [csum(key(i)) for i in range(1, 8)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_a_put_short_of_dram_drops_dram_copies_of_blocks_with_a_clean_ssd_copy(policy: str) -> None:
+    clock = FakeClock()
+    ix = CompactIndex(IndexLimits(cache_policy=policy, dram_high_watermark=0.99, dram_low_watermark=0.0), clock)
+    segs = (SegmentSpec(1, Tier.DRAM, 4 * ALIGN, "/dev/shm/d1"), SegmentSpec(2, Tier.SSD, 16 * SSD_ALIGN, "/d"))
+    ix.register_daemon(DaemonSpec("d1", "h1", "d1:data", "d1:ctl", segs), {})
+    put(ix, 1, 2, 3, 4)
+    for m in ix.plan_moves()["d1"]:
+        ix.finish_move(m.move_id, True)
+    lease = ix.acquire(b"".join(key(i) for i in (1, 2)))
+    ix.release(lease.lease_id)
+    for m in ix.plan_moves()["d1"]:
+        ix.finish_move(m.move_id, True)
+    put(ix, 5, 6)  # DRAM: 1, 2 (with SSD copies), 5, 6: full
+    ix.take_tombstones()
+    dram, ssd = dram_ssd(ix)
+    assert dram.alloc.used == 4 * ALIGN
+    p = ix.put_start(key(7), [BLK])  # DRAM has room only where 1 or 2 drop their DRAM copy
+    assert p.status == [0] and ix.locations(p.placements)[0].segment is dram
+    assert ix.put_commit(p.put_id, [csum(key(7))]) == 1
+    ix.check_integrity()
+    assert ix.counters["dropped_clean"] == 1 and ix.counters["evictions"] == 0
+    assert sorted(tiers_of(ix, 1, 2)) == [2, 3] and tiers_of(ix, 5, 6, 7) == [1, 1, 1]
+    assert len(ix) == 7  # nothing was lost
+
+
+def test_ssd_eviction_drops_a_clean_copy_and_keeps_its_block_in_dram() -> None:
+    ix, _ = tiered(dram_slots=8, ssd_slots=5, high=0.5, low=0.0)
+    put(ix, 1, 2, 3, 4, 5)
+    promoted(ix, 1, 2)  # SSD: 3, 4, 5 and copies of 1 and 2; DRAM: 1 and 2
+    dram, ssd = dram_ssd(ix)
+    assert ssd.alloc.used == 5 * SSD_ALIGN and ssd.blocks == 5
+    lease = ix.acquire(b"".join(key(i) for i in (1, 2)))  # 1 and 2 the most recent
+    ix.release(lease.lease_id)
+    big = SSD_ALIGN - HEADER_SIZE  # larger than all of DRAM: only the SSD takes it
+    for n, x in enumerate((10, 11, 12, 13), 1):
+        p = ix.put_start(key(x), [big])
+        assert p.status == [0] and ix.locations(p.placements)[0].segment is ssd
+        assert ix.put_commit(p.put_id, [csum(key(x))]) == 1
+        ix.check_integrity()
+        if n <= 3:  # 3, 4 and 5, the least recent, leave whole (the chain's tail first)
+            assert ix.counters["evictions"] == n and hits_of(ix, 6 - n) == 0
+    # The fourth takes the place of 2's SSD copy (the chain's tail): a clean drop; 2 is still
+    # in DRAM.
+    assert ix.counters["dropped_clean"] == 1 and ix.counters["evictions"] == 3
+    assert tiers_of(ix, 1, 2) == [3, 1] and hits_of(ix, 1, 2) == 2
+    dead = ix.take_tombstones()["d1"]
+    assert [(t.segment_id, t.key) for t in dead][-1] == (2, key(2))
+    assert dram.blocks == 2 and ssd.blocks == 5
+
+
+def hits_of(ix: CompactIndex, *ids: int) -> int:
+    return ix.lookup(b"".join(key(i) for i in ids))[0]
+
+
+def test_a_registration_with_a_block_on_both_tiers_adopts_the_ssd_one_as_a_clean_copy() -> None:
+    from kvstore.meta.records import InventoryItem
+
+    ix, _ = tiered()
+    d = ix.daemons["d1"]
+    spec = d.spec
+    inv = {
+        1: [
+            InventoryItem(key(1), 0, BLK, csum(key(1)), gen=11),
+            InventoryItem(key(2), ALIGN, BLK, csum(key(2)), gen=12),
+        ],
+        2: [
+            InventoryItem(key(1), 0, BLK, csum(key(1)), gen=13),  # a clean copy of 1
+            InventoryItem(key(2), SSD_ALIGN, BLK + 1, csum(key(2)), gen=14),  # another length: refused
+            InventoryItem(key(3), 2 * SSD_ALIGN, BLK, csum(key(3)), gen=15),
+        ],
+    }
+    assert ix.register_daemon(spec, inv) == 1
+    ix.check_integrity()
+    assert tiers_of(ix, 1, 2, 3) == [3, 1, 2]
+    dram, ssd = dram_ssd(ix)
+    assert dram.blocks == 2 and ssd.blocks == 2
+    assert [(t.key, t.gen) for t in ix.take_tombstones()["d1"]] == [(key(2), 14)]
+    # Dropping the block drops both replicas: two tombstones.
+    assert ix.remove(key(1)) == 1
+    assert sorted((t.segment_id, t.gen) for t in ix.take_tombstones()["d1"]) == [(1, 11), (2, 13)]
+    ix.check_integrity()
+
+
+def test_a_damaged_clean_copy_or_primary_drops_only_that_replica() -> None:
+    ix, _ = tiered(dram_slots=8, high=0.5, low=0.0)
+    put(ix, 1, 2, 3, 4, 5)
+    for m in ix.plan_moves()["d1"]:
+        ix.finish_move(m.move_id, True)
+    old = ix.acquire(b"".join(key(i) for i in (1, 2)))  # reads the SSD copies
+    for m in ix.plan_moves()["d1"]:
+        ix.finish_move(m.move_id, True)
+    ix.take_tombstones()
+    # The reader of the SSD copy of 1 reports it damaged: that copy goes, DRAM's stays.
+    ix.release(old.lease_id, corrupt=[0])
+    ix.check_integrity()
+    assert tiers_of(ix, 1, 2) == [1, 3] and [t.segment_id for t in ix.take_tombstones()["d1"]] == [2]
+    # A reader of the DRAM replica of 2 reports it damaged: the block stays, on SSD.
+    lease = ix.acquire(b"".join(key(i) for i in (1, 2)))
+    ix.release(lease.lease_id, corrupt=[1])
+    ix.check_integrity()
+    assert tiers_of(ix, 1, 2) == [1, 2] and [t.segment_id for t in ix.take_tombstones()["d1"]] == [1]
+    assert ix.counters["corrupt_reported"] == 2
+
+
+def test_pins_and_daemon_loss_count_every_replica() -> None:
+    ix, _ = tiered(dram_slots=8, high=0.5, low=0.0)
+    put(ix, 1, 2, 3, 4, 5)
+    promoted(ix, 1, 2)
+    dram, ssd = dram_ssd(ix)
+    assert ix.pin(b"".join(key(i) for i in (1, 3))) == 2
+    ix.check_integrity()
+    assert dram.pinned == 1 and ssd.pinned == 2
+    assert ix.pin(key(1), False) == 1
+    ix.check_integrity()
+    assert dram.pinned == 0 and ssd.pinned == 1
+    lease = ix.acquire(b"".join(key(i) for i in (1, 2)))
+    ix._drop_daemon("d1")
+    ix.check_integrity()
+    assert len(ix) == 0
+    ix.release(lease.lease_id)
+    ix.check_integrity()
+    assert ix.segments == {}
 
 
 def test_a_failed_move_leaves_the_block_in_dram_and_the_ssd_copy_is_forgotten() -> None:
