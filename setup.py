@@ -1,6 +1,7 @@
 """The optional native part of kvstore: batched copy + verify for the read paths
-(kvstore/transport/copy.c, recv.c) and the daemon's answers to reads of DRAM blocks (serve.c);
-see kvstore.transport.native. Everything else is in pyproject.toml.
+(kvstore/transport/copy.c, recv.c), the daemon's answers to reads of DRAM blocks (serve.c) and
+the batched header and checksum checks of its restart (batch.c); see kvstore.transport.native.
+Everything else is in pyproject.toml.
 
 Built twice: for the compiler's default vector unit, and with AVX2 (used where the CPU has it).
 Both are optional: without a C compiler or xxhash.h (Debian: libxxhash-dev, which
@@ -11,7 +12,9 @@ import platform
 
 from setuptools import Extension, setup
 
-SRC = ["kvstore/transport/copy.c", "kvstore/transport/recv.c", "kvstore/transport/serve.c"]
+SRC = [
+    "kvstore/transport/copy.c", "kvstore/transport/recv.c", "kvstore/transport/serve.c", "kvstore/transport/batch.c",
+]  # fmt: skip
 DEPENDS = ["kvstore/transport/native.h", "kvstore/transport/blake2b.h"]
 FLAGS = ["-O3", "-std=c11", "-Wall"]
 

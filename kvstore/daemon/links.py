@@ -26,9 +26,9 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING
 
 import grpc
-import numpy as np
 
 from kvstore import tickets
+from kvstore.blocks import BlockCols
 from kvstore.cluster.slots import arena
 from kvstore.errors import Unavailable
 from kvstore.keys import KEY_BYTES
@@ -47,38 +47,22 @@ LOOP_FAILURES_UNHEALTHY = 3
 RETRY_S = 0.1
 
 
-def shard_inventory(invs: list[common_pb2.Inventory], sizes: dict[int, tuple[int, int]], shard: int, shards: int):
-    """The blocks of ``invs`` whose extents lie in shard ``shard``'s arena (``sizes``: segment id
-    -> (capacity, alignment))."""
-    if shards <= 1:
-        return invs
+def shard_inventory(
+    cols: list[tuple[int, BlockCols, bool]], sizes: dict[int, tuple[int, int]], shard: int, shards: int
+) -> list[common_pb2.Inventory]:
+    """The inventory messages of the blocks of ``cols`` (:meth:`CacheDaemon.inventory_columns
+    <kvstore.daemon.server.CacheDaemon.inventory_columns>`) whose extents lie in shard
+    ``shard``'s arena (``sizes``: segment id -> (capacity, alignment)); without shards, all of
+    them. Columns all the way: a mask over the offsets, then the packed arrays."""
     out = []
-    for inv in invs:
-        n = len(inv.keys) // KEY_BYTES
-        if not n:
-            continue
-        cap, align = sizes[inv.segment_id]
-        base, span = arena(cap, align, shard, shards)
-        offs = np.frombuffer(inv.offset, dtype="<u8")
-        mine = (offs >= base) & (offs < base + span)  # one vectorized pass: this runs on the event loop
-        if not mine.any():
-            continue
-        keys = np.frombuffer(inv.keys, dtype=np.uint8).reshape(n, KEY_BYTES)[mine].tobytes()
-
-        def col(data: bytes, mine: np.ndarray = mine) -> bytes:
-            return np.frombuffer(data, dtype="<u8")[mine].tobytes() if data else b""
-
-        out.append(
-            common_pb2.Inventory(
-                segment_id=inv.segment_id,
-                keys=keys,
-                offset=col(inv.offset),
-                length=col(inv.length),
-                checksum=col(inv.checksum),
-                gen=col(inv.gen),
-                size=col(inv.size),
-            )
-        )
+    for seg_id, blocks, sized in cols:
+        if shards > 1:
+            cap, align = sizes[seg_id]
+            base, span = arena(cap, align, shard, shards)
+            blocks = blocks.take((blocks.offset >= base) & (blocks.offset < base + span))
+            if not len(blocks):
+                continue
+        out.append(blocks.to_pb(seg_id, with_size=sized))
     return out
 
 
@@ -181,8 +165,7 @@ class MetaLink:
         # the old one as it takes the new.
         self.registration = new_registration()
         await self._idle.wait()  # those already past the check end first (a move: at its next block)
-        invs, discarded = await asyncio.to_thread(d.inventory, True)
-        invs = shard_inventory(invs, d.segment_sizes(), self.shard, self.shards)
+        invs, discarded = await asyncio.to_thread(self._inventory)
         # A key of this registration only: tickets handed out before it (by an earlier leader,
         # or by this service before a restart or before it dropped us) stop serving. The
         # service held the extents of unfinished puts until their write tickets lapsed, but a
@@ -234,6 +217,12 @@ class MetaLink:
         self.heartbeated = False
         self.registered = True
         return max(resp.heartbeat_interval_ms / 1000.0, 0.01)
+
+    def _inventory(self) -> tuple[list[common_pb2.Inventory], int]:
+        """This shard's inventory messages, and the candidates discarded (on a thread: at
+        millions of blocks the scan and the packing take seconds)."""
+        cols, discarded = self.d.inventory_columns(True)
+        return shard_inventory(cols, self.d.segment_sizes(), self.shard, self.shards), discarded
 
     async def run(self) -> None:
         """Registers, then heartbeats every interval for as long as the daemon runs. Survives

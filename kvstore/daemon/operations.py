@@ -1,6 +1,7 @@
 """What the metadata service has a daemon do to its segments: commit written blocks (sealed
 header in DRAM, journal record on SSD), drop committed blocks it dropped (each only if still that
-generation), move blocks between tiers, and list the committed blocks (the inventory)."""
+generation), and move blocks between tiers. The list of committed blocks (the inventory, as
+columns) is the daemon's: :meth:`kvstore.daemon.server.CacheDaemon.inventory_columns`."""
 
 from __future__ import annotations
 
@@ -10,33 +11,12 @@ from collections.abc import Callable
 from kvstore.daemon.arena import ShmArena
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.errors import InvalidArgument, ResourceExhausted
-from kvstore.extent import HEADER_SIZE, Sealer, checksum, extent_size, scan
+from kvstore.extent import HEADER_SIZE, Sealer, checksum, extent_size
 from kvstore.keys import unpack_keys
 from kvstore.v1 import common_pb2, daemon_pb2
 from kvstore.wire import U8, U32, U64, pack, unpack
 
 log = logging.getLogger("kvstore.daemon")
-
-
-def inventory_pb(segment_id: int, blocks: list, with_size: bool = False) -> common_pb2.Inventory:
-    """The inventory message of one segment's committed blocks (anything with key, offset,
-    length, checksum, gen and, ``with_size``, size: extent headers, SSD journal records)."""
-    return common_pb2.Inventory(
-        segment_id=segment_id,
-        keys=b"".join(b.key for b in blocks),
-        offset=pack([b.offset for b in blocks], U64),
-        length=pack([b.length for b in blocks], U64),
-        checksum=pack([b.checksum for b in blocks], U64),
-        gen=pack([b.gen for b in blocks], U64),
-        size=pack([b.size for b in blocks], U64) if with_size else b"",
-    )
-
-
-def dram_inventory(
-    segment_id: int, arena: ShmArena, sealer: Sealer, verify: bool = True
-) -> tuple[common_pb2.Inventory, int]:
-    found, discarded = scan(arena.array, sealer, verify=verify)
-    return inventory_pb(segment_id, found), discarded
 
 
 class SegmentOps:

@@ -37,16 +37,17 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kvstore import tickets
+from kvstore.blocks import BlockCols
 from kvstore.cluster.slots import arena_of
 from kvstore.config import ClusterConfig, DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena, remove_files
 from kvstore.daemon.dataport import DataPort
 from kvstore.daemon.links import MetaLink
-from kvstore.daemon.operations import SegmentOps, dram_inventory, inventory_pb
+from kvstore.daemon.operations import SegmentOps
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.daemon.staging import Staging
 from kvstore.errors import Expired, InvalidArgument, PermissionDenied
-from kvstore.extent import Sealer
+from kvstore.extent import Sealer, scan
 from kvstore.meta.records import SEGMENT_ALIGN, Tier
 from kvstore.metrics import DAEMON_COUNTERS, DaemonCollector, MetricsHttp
 from kvstore.rpc import GRPC_OPTIONS, ServerHealth, add_service
@@ -168,7 +169,7 @@ class CacheDaemon:
         self.segments: dict[int, ShmArena | SsdSegment] = {DRAM_SEGMENT: self.dram}
         self.ssd: SsdSegment | None = None
         self.recovery_seconds = 0.0
-        self._ssd_recovered: tuple[list, int] | None = None
+        self._ssd_recovered: tuple[int, int] | None = None  # (blocks, discarded) at start-up
         if cfg.ssd_bytes > 0:
             self.ssd = SsdSegment(
                 cfg.ssd_dir or data_dir / "ssd",
@@ -268,16 +269,24 @@ class CacheDaemon:
                 "event=ssd_recovered daemon=%s blocks=%d discarded=%d seconds=%.3f",
                 self.daemon_id, len(blocks), discarded, self.recovery_seconds,
             )  # fmt: skip
-            self._ssd_recovered = (blocks, discarded)
+            self._ssd_recovered = (len(blocks), discarded)
 
-    def inventory(self, verify: bool = True) -> tuple[list[common_pb2.Inventory], int]:
-        inv, discarded = dram_inventory(DRAM_SEGMENT, self.dram, self.sealer, verify)
-        invs = [inv]
+    def inventory_columns(self, verify: bool = True) -> tuple[list[tuple[int, BlockCols, bool]], int]:
+        """Each segment's committed blocks as columns, oldest first: (segment id, blocks, whether
+        its inventory message carries extent sizes), and how many candidates were discarded (the
+        DRAM scan's now, the SSD recovery's at start-up)."""
+        found, discarded = scan(self.dram.array, self.sealer, verify=verify)
+        cols = [(DRAM_SEGMENT, found, False)]
         if self.ssd is not None:
-            invs.append(inventory_pb(SSD_SEGMENT, self.ssd.inventory(), with_size=True))
+            cols.append((SSD_SEGMENT, self.ssd.inventory(), True))
             if self._ssd_recovered is not None:
                 discarded += self._ssd_recovered[1]
-        return invs, discarded
+        return cols, discarded
+
+    def inventory(self, verify: bool = True) -> tuple[list[common_pb2.Inventory], int]:
+        """:meth:`inventory_columns` as inventory messages (one per segment)."""
+        cols, discarded = self.inventory_columns(verify)
+        return [blocks.to_pb(seg, with_size=sized) for seg, blocks, sized in cols], discarded
 
     async def run(self, fn, *args):  # noqa: ANN001, ANN201
         """Runs a control operation: inline when it touches DRAM only (a few header writes),

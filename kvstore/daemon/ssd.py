@@ -19,6 +19,13 @@ extent has another one and stays). If the journal cannot grow (a full file syste
 answers :class:`~kvstore.errors.ResourceExhausted` and nothing is half-appended (the journal is
 cut back to its last whole record); a DEL that cannot be appended clears the block's header on
 disk instead, so the block can never be adopted again.
+
+At tens of millions of blocks nothing here is one Python object per block: the committed blocks
+are columns by offset under a small overlay of recent changes (:mod:`kvstore.daemon.ssd_map`),
+the journal is replayed and rewritten as arrays (:mod:`kvstore.daemon.journal`), recovery checks
+the blocks a disk window at a time in batches (:mod:`kvstore.daemon.ssd_verify`), and the
+inventory is columns (:class:`kvstore.blocks.BlockCols`).
+
 Durability (``daemon.ssd_durability``): ``fast`` leaves flushing to the OS, which is
 enough for any process crash (the page cache survives it); ``durable`` fsyncs data and journal
 before a commit or removal is acknowledged, which is what survives power loss.
@@ -40,34 +47,26 @@ import errno
 import logging
 import mmap
 import os
-import struct
 import threading
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import xxhash
 
+from kvstore.blocks import Block, BlockCols
+from kvstore.daemon import journal
 from kvstore.daemon.codec import compress, decompress
+from kvstore.daemon.journal import OP_ADD, OP_DEL, REC_SIZE
+from kvstore.daemon.ssd_map import BlockMap
+from kvstore.daemon.ssd_verify import verify_blocks
 from kvstore.errors import ResourceExhausted
 from kvstore.extent import HEADER_SIZE, SSD_ALIGN, ExtentHeader, Sealer, checksum, extent_size
 
 log = logging.getLogger("kvstore.daemon.ssd")
 
-_REC = struct.Struct("<4sB3x16sQQQQQ")
-_CRC = struct.Struct("<I")
-REC_SIZE = _REC.size + _CRC.size
-_JMAGIC = b"KVJ2"
-OP_ADD, OP_DEL = 1, 2
+__all__ = ["OP_ADD", "OP_DEL", "REC_SIZE", "ReadStatus", "SsdBlock", "SsdSegment"]
 
-
-class SsdBlock(NamedTuple):
-    key: bytes
-    offset: int
-    size: int  # extent bytes
-    length: int  # raw payload bytes
-    checksum: int
-    gen: int  # the placement's generation (also write order)
+SsdBlock = Block  # key, offset, size (extent bytes), length (raw payload bytes), checksum, gen
 
 
 class ReadStatus(NamedTuple):
@@ -141,7 +140,7 @@ class SsdSegment:
         self._jsize = os.fstat(self._jfd).st_size
         self._records = 0
         self._compact_at = 100_000
-        self._live: dict[int, SsdBlock] = {}  # offset -> committed block: the inventory
+        self._live = BlockMap()  # offset -> committed block: the inventory (columns, kvstore.daemon.ssd_map)
         self._pending: dict[int, SsdBlock] = {}  # offset -> written, not yet committed
         self._buf = _Aligned()
         self.counters = {"writes": 0, "write_bytes": 0, "stored_bytes": 0, "compressed": 0, "reads": 0,
@@ -154,8 +153,7 @@ class SsdSegment:
         """Appends one record (the caller holds the journal lock). Raises ResourceExhausted when
         the file system is full and OSError on other failures; either way the journal is left
         ending in whole records and the in-memory state is unchanged."""
-        body = _REC.pack(_JMAGIC, op, key, offset, size, length, csum, gen)
-        rec = body + _CRC.pack(xxhash.xxh32_intdigest(body))
+        rec = journal.pack_record(op, key, offset, size, length, csum, gen)
         try:
             n = os.write(self._jfd, rec)
             if n != len(rec):
@@ -172,9 +170,9 @@ class SsdSegment:
         self._jsize += len(rec)
         self._records += 1
         if op == OP_ADD:
-            self._live[offset] = SsdBlock(key, offset, size, length, csum, gen)
+            self._live.put(SsdBlock(key, offset, size, length, csum, gen))
         else:
-            self._live.pop(offset, None)
+            self._live.pop(offset)
         if self._records > max(4 * len(self._live), self._compact_at):
             self._compact_locked()
 
@@ -186,37 +184,14 @@ class SsdSegment:
         except OSError as e:  # the next replay stops at the torn record anyway
             log.warning("event=journal_cut_failed path=%s reason=%r", self.journal_path, str(e))
 
-    def _replay(self) -> tuple[dict[int, tuple], int]:
-        """Live records by offset, and the byte length of the whole (untorn) journal."""
-        live: dict[int, tuple] = {}
-        try:
-            raw = self.journal_path.read_bytes()
-        except FileNotFoundError:
-            return live, 0
-        good = 0
-        for pos in range(0, len(raw) - REC_SIZE + 1, REC_SIZE):
-            body = raw[pos : pos + _REC.size]
-            if _CRC.unpack_from(raw, pos + _REC.size)[0] != xxhash.xxh32_intdigest(body):
-                break  # a torn or damaged tail: nothing after it is trusted
-            magic, op, key, offset, size, length, csum, gen = _REC.unpack(body)
-            if magic != _JMAGIC:
-                break
-            if op == OP_ADD:
-                live[offset] = (key, offset, size, length, csum, gen)
-            elif op == OP_DEL and live.get(offset, (None,))[0] == key and live[offset][5] == gen:
-                del live[offset]
-            good = pos + REC_SIZE
-        return live, good
-
     def _compact_locked(self) -> None:
-        """Rewrites the journal with one ADD per live block (atomic rename). On a full file
-        system the old journal stays and compaction is tried again after as many records."""
+        """Rewrites the journal with one ADD per live block, in offset order (atomic rename). On a
+        full file system the old journal stays and compaction is tried again after as many
+        records."""
         tmp = self.journal_path.with_suffix(".journal.tmp")
         try:
             with open(tmp, "wb") as f:
-                for b in sorted(self._live.values(), key=lambda b: b.gen):
-                    body = _REC.pack(_JMAGIC, OP_ADD, b.key, b.offset, b.size, b.length, b.checksum, b.gen)
-                    f.write(body + _CRC.pack(xxhash.xxh32_intdigest(body)))
+                journal.write_records(f, self._live.columns())
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
@@ -383,77 +358,41 @@ class SsdSegment:
                 os.pwrite(self._fd, zero, offset)
                 if self.durable:
                     os.fsync(self._fd)
-                self._live.pop(offset, None)
+                self._live.pop(offset)
             return True
 
-    def recover(self, verify: bool = True) -> tuple[list[SsdBlock], int]:
+    def recover(self, verify: bool = True) -> tuple[BlockCols, int]:
         """Replays the journal (discarding a torn tail), keeps each block whose header (and,
-        with ``verify``, payload checksum) is whole, compacts the journal. Returns the blocks,
-        oldest first, and how many records were discarded."""
-        live, good = self._replay()
+        with ``verify``, payload checksum) is whole, compacts the journal if it holds anything
+        else. Returns the blocks, oldest first, and how many records were discarded."""
+        live, good = journal.replay(self.journal_path)
         with self._jlock:
             size = os.fstat(self._jfd).st_size
             if size > good:  # cut the torn tail so that new records follow whole ones
                 os.truncate(self.journal_path, good)
             self._jsize = good
-        records = sorted(live.values(), key=lambda r: r[1])
-        # Verify in large sequential windows: one read covers many neighbouring extents.
-        ok_flags = self._verify_windows(records, verify)
-        found = [SsdBlock(*r) for r, ok in zip(records, ok_flags) if ok]
-        discarded = len(records) - len(found)
+        # Verified in large sequential windows: one read covers many neighbouring extents.
+        ok = verify_blocks(self, live, verify)
+        found = live.take(ok)
+        discarded = len(live) - len(found)
         with self._jlock:
-            self._live = {b.offset: b for b in found}
-            self._compact_locked()
+            self._live = BlockMap(found)
+            self._records = good // REC_SIZE
+            if self._records != len(found):
+                self._compact_locked()
         self.counters["recovered"] = len(found)
         self.counters["discarded"] = discarded
-        found.sort(key=lambda h: h.gen)
-        return found, discarded
-
-    def _verify_windows(self, records: list[tuple], verify: bool, window: int = 8 << 20) -> list[bool]:
-        out: list[bool] = []
-        buf = self._buf.get(window)
-        lo = hi = -1
-        for key, offset, size, length, csum, gen in records:
-            if offset < 0 or offset % SSD_ALIGN or offset + size > self.size or size < HEADER_SIZE:
-                out.append(False)
-                continue
-            if size > window:  # a block larger than the window: read it alone (reuses the buffer)
-                out.append(
-                    self.read(offset, key, length, gen=gen)[0].ok
-                    if verify
-                    else self._header_ok(offset, key, length, csum, gen)
-                )
-                lo = hi = -1
-                continue
-            if not (lo <= offset and offset + size <= hi):
-                lo = offset
-                got = os.preadv(self._fd, [buf[: min(window, self.size - offset)]], offset)
-                hi = offset + got
-                if offset + size > hi:
-                    out.append(False)
-                    continue
-            rel = offset - lo
-            h = self.sealer.parse(buf, rel, at=offset)
-            ok = h is not None and h.key == key and h.raw_length == length and h.checksum == csum and h.gen == gen
-            ok = ok and HEADER_SIZE + h.length <= size  # type: ignore[union-attr]
-            if ok and verify:
-                stored = buf[rel + HEADER_SIZE : rel + HEADER_SIZE + h.length]  # type: ignore[union-attr]
-                if h.flags:  # type: ignore[union-attr]
-                    raw = np.empty(length, np.uint8)
-                    ok = decompress(memoryview(stored), h.flags, raw) and checksum(raw) == csum  # type: ignore[union-attr]
-                else:
-                    ok = checksum(stored) == csum
-            out.append(ok)
-        return out
+        return found.by_gen(), discarded
 
     def _header_ok(self, offset: int, key: bytes, length: int, csum: int, gen: int) -> bool:
         h = self._header(offset)
         return h is not None and h.key == key and h.raw_length == length and h.checksum == csum and h.gen == gen
 
-    def inventory(self) -> list[SsdBlock]:
+    def inventory(self) -> BlockCols:
         """The blocks this segment holds now, oldest first (from the journal's live set)."""
         with self._jlock:
-            return sorted(self._live.values(), key=lambda b: b.gen)
+            blocks = self._live.columns()  # never changed in place: sorted outside the lock
+        return blocks.by_gen()
 
     @property
     def journal_bytes(self) -> int:

@@ -94,7 +94,7 @@ static void kv_mac_init(kv_mac_key *k, const uint8_t *key, size_t keylen, unsign
 }
 
 /* The MAC of ``msg`` (1..128 bytes) into ``out`` (k->outlen bytes). */
-static void kv_mac(const kv_mac_key *k, const uint8_t *msg, size_t len, uint8_t *out) {
+static inline void kv_mac(const kv_mac_key *k, const uint8_t *msg, size_t len, uint8_t *out) {
     uint64_t h[8];
     uint8_t block[128] = {0};
     uint8_t full[64];

@@ -258,6 +258,9 @@ static PyMethodDef methods[] = {
     {"check_reads", kv_check_reads, METH_VARARGS, kv_check_reads_doc},
     {"serve_reads", kv_serve_reads, METH_VARARGS, kv_serve_reads_doc},
     {"blake2b_mac", kv_blake2b_mac, METH_VARARGS, kv_blake2b_mac_doc},
+    {"seal_many", kv_seal_many, METH_VARARGS, kv_seal_many_doc},
+    {"xxh3_many", kv_xxh3_many, METH_VARARGS, kv_xxh3_many_doc},
+    {"xxh32_many", kv_xxh32_many, METH_VARARGS, kv_xxh32_many_doc},
     {"has_avx2", has_avx2, METH_NOARGS, "Whether this CPU has AVX2 (ask the default build)."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,6 +1,6 @@
 /* What the native read paths share (copy.c: the shared-memory copy; recv.c: the data-port
- * receive; serve.c: the daemon's answers to READ frames on DRAM): headers, module naming,
- * argument helpers. See copy.c. */
+ * receive; serve.c: the daemon's answers to READ frames on DRAM; batch.c: the batched checks of
+ * a restart): headers, module naming, argument helpers. See copy.c. */
 #ifndef KV_NATIVE_H
 #define KV_NATIVE_H
 
@@ -52,5 +52,13 @@ PyObject *kv_serve_reads(PyObject *self, PyObject *args);
 extern const char kv_serve_reads_doc[];
 PyObject *kv_blake2b_mac(PyObject *self, PyObject *args);
 extern const char kv_blake2b_mac_doc[];
+
+/* batch.c */
+PyObject *kv_seal_many(PyObject *self, PyObject *args);
+extern const char kv_seal_many_doc[];
+PyObject *kv_xxh3_many(PyObject *self, PyObject *args);
+extern const char kv_xxh3_many_doc[];
+PyObject *kv_xxh32_many(PyObject *self, PyObject *args);
+extern const char kv_xxh32_many_doc[];
 
 #endif

@@ -1,4 +1,5 @@
-"""Unit tests for kvstore.extent: the sealed self-describing header and the segment scan."""
+"""Unit tests for kvstore.extent: the sealed self-describing header, and the batches that check and
+make many of them at once (kvstore.batch). The segment scan: test_extent_scan.py."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import hashlib
 import random
 import stat
 import struct
+import time
 
 import numpy as np
 import pytest
 import xxhash
 
-from kvstore import extent
+from kvstore import batch, extent
+from kvstore.errors import InvalidArgument
 from kvstore.extent import (
     ALIGN,
     CLEARED,
@@ -22,7 +25,6 @@ from kvstore.extent import (
     checksum,
     extent_size,
     parse_fields,
-    scan,
 )
 
 SECRET = bytes(range(32))
@@ -262,250 +264,118 @@ def test_checksum_is_xxh3_64_and_accepts_buffers():
     assert checksum(bytes(flipped)) != checksum(data)
 
 
-# ---- scan ---------------------------------------------------------------------------------------
-
-
-def test_scan_empty_segment_finds_nothing():
-    res = scan(new_segment(16), SEALER)
-    assert res.extents == [] and res.discarded == 0
-
-
-def test_scan_finds_all_whole_extents_oldest_first():
-    seg = new_segment(64)
-    written = []
-    off = 0
-    gens = [5, 2, 9, 1, 7, 3]
-    for i, gen in enumerate(gens):
-        data = payload(100 + 300 * i, i)
-        write_extent(seg, off, key(i), data, gen)
-        written.append((off, key(i), data, gen))
-        off += extent_size(len(data))
-    res = scan(seg, SEALER)
-    assert res.discarded == 0
-    assert [h.gen for h in res.extents] == sorted(gens)
-    by_off = {h.offset: h for h in res.extents}
-    assert set(by_off) == {w[0] for w in written}
-    for o, k, data, gen in written:
-        h = by_off[o]
-        assert h.key == k and h.length == len(data) and h.checksum == checksum(data) and h.gen == gen
-        assert bytes(seg[o + HEADER_SIZE : o + HEADER_SIZE + h.length]) == data
-
-
-def test_scan_with_gaps_between_extents():
-    seg = new_segment(32)
-    write_extent(seg, 0, key(1), b"a" * 10, 1)
-    write_extent(seg, 10 * ALIGN, key(2), b"b" * 1000, 2)
-    write_extent(seg, 31 * ALIGN, key(3), b"c" * (ALIGN - HEADER_SIZE), 3)  # fills the last slot exactly
-    res = scan(seg, SEALER)
-    assert [(h.offset, h.key) for h in res.extents] == [(0, key(1)), (10 * ALIGN, key(2)), (31 * ALIGN, key(3))]
-    assert res.discarded == 0
-
-
-def test_scan_zero_length_extent():
-    seg = new_segment(2)
-    write_extent(seg, ALIGN, key(1), b"", 1)
-    res = scan(seg, SEALER)
-    assert [(h.offset, h.length) for h in res.extents] == [(ALIGN, 0)]
-
-
-def test_scan_discards_flipped_payload_byte_when_verifying():
-    seg = new_segment(16)
-    write_extent(seg, 0, key(1), payload(500, 1), 1)
-    write_extent(seg, 4 * ALIGN, key(2), payload(500, 2), 2)
-    seg[4 * ALIGN + HEADER_SIZE + 250] ^= 0xFF
-    res = scan(seg, SEALER, verify=True)
-    assert [h.key for h in res.extents] == [key(1)]
-    assert res.discarded == 1
-    # Without verification the sealed header alone is trusted.
-    res = scan(seg, SEALER, verify=False)
-    assert [h.key for h in res.extents] == [key(1), key(2)]
-    assert res.discarded == 0
-
-
-def test_scan_discards_payload_not_yet_written():
-    """A header committed over a payload that is not the one it describes (here: still zeros)
-    is caught by the checksum."""
-    seg = new_segment(8)
-    data = payload(300, 3)
-    seg[0:HEADER_SIZE] = np.frombuffer(SEALER.pack(key(1), len(data), checksum(data), 1, 0), np.uint8)
-    res = scan(seg, SEALER)
-    assert res.extents == [] and res.discarded == 1
-
-
-def test_scan_does_not_adopt_uncommitted_writes():
-    """Bytes that a writer (or anything else that can write the segment) made look like a block,
-    without the daemon's seal, are not adopted, even when the payload checksum holds."""
-    seg = new_segment(8)
-    write_extent(seg, 0, key(1), payload(100, 1), 1)
-    data = payload(100, 2)
-    forged = struct.pack("<4sHH16sQQQQ", MAGIC, VERSION, 0, key(2), len(data), checksum(data), 2, len(data))
-    seg[2 * ALIGN : 2 * ALIGN + HEADER_SIZE] = np.frombuffer(forged + bytes(8), np.uint8)
-    seg[2 * ALIGN + HEADER_SIZE : 2 * ALIGN + HEADER_SIZE + len(data)] = np.frombuffer(data, np.uint8)
-    # The fields are all there, only the seal is not.
-    assert parse_fields(seg, 2 * ALIGN) == (key(2), len(data), checksum(data), 2, 2 * ALIGN, 0, len(data))
-    res = scan(seg, SEALER)
-    assert [h.key for h in res.extents] == [key(1)]
-    assert res.discarded == 1
-
-
-def test_scan_adopts_only_headers_sealed_by_its_sealer():
-    seg = new_segment(8)
-    write_extent(seg, 0, key(1), payload(100, 1), 1)
-    write_extent(seg, 2 * ALIGN, key(2), payload(100, 2), 2, sealer=OTHER)
-    res = scan(seg, SEALER)
-    assert [(h.offset, h.key) for h in res.extents] == [(0, key(1))]
-    assert res.discarded == 1
-    res = scan(seg, OTHER)
-    assert [(h.offset, h.key) for h in res.extents] == [(2 * ALIGN, key(2))]
-    assert res.discarded == 1
-
-
-def test_scan_refuses_a_whole_extent_copied_to_another_offset():
-    seg = new_segment(8)
-    data = payload(100, 1)
-    write_extent(seg, 0, key(1), data, 1)
-    seg[4 * ALIGN : 5 * ALIGN] = seg[0:ALIGN]  # header and payload, byte for byte
-    assert parse_fields(seg, 4 * ALIGN) is not None
-    res = scan(seg, SEALER)
-    assert [(h.offset, h.key) for h in res.extents] == [(0, key(1))]
-    assert res.discarded == 1
-
-
-def test_scan_discards_torn_header():
-    seg = new_segment(8)
-    write_extent(seg, 0, key(1), payload(100, 1), 1)
-    # A second write, torn: cleared, payload written, only the first half of its header landed.
-    data = payload(100, 2)
-    off = 2 * ALIGN
-    seg[off : off + HEADER_SIZE] = np.frombuffer(CLEARED, np.uint8)
-    seg[off + HEADER_SIZE : off + HEADER_SIZE + len(data)] = np.frombuffer(data, np.uint8)
-    hdr = SEALER.pack(key(2), len(data), checksum(data), 2, off)
-    seg[off : off + 32] = np.frombuffer(hdr[:32], np.uint8)
-    res = scan(seg, SEALER)
-    assert [h.key for h in res.extents] == [key(1)]
-    assert res.discarded == 1
-
-
-def test_scan_cleared_header_is_not_a_candidate():
-    seg = new_segment(8)
-    write_extent(seg, 0, key(1), payload(100, 1), 1)
-    seg[0:HEADER_SIZE] = np.frombuffer(CLEARED, np.uint8)  # invalidated by the daemon
-    res = scan(seg, SEALER)
-    assert res.extents == [] and res.discarded == 0
-
-
-def test_scan_discards_extent_running_past_segment_end():
-    seg = new_segment(4)
-    data = payload(2 * ALIGN, 1)
-    # Header at the last slot claims a payload that would run past the end.
-    seg[3 * ALIGN : 4 * ALIGN] = np.frombuffer(data[:ALIGN], np.uint8)
-    seg[3 * ALIGN : 3 * ALIGN + HEADER_SIZE] = np.frombuffer(
-        SEALER.pack(key(1), len(data), checksum(data), 1, 3 * ALIGN), np.uint8
-    )
-    res = scan(seg, SEALER, verify=False)
-    assert res.extents == [] and res.discarded == 1
-
-
-def test_scan_ignores_unaligned_magic():
-    seg = new_segment(4)
-    raw = SEALER.pack(key(1), 0, checksum(b""), 1, 100)
-    seg[100 : 100 + HEADER_SIZE] = np.frombuffer(raw, np.uint8)  # not at an ALIGN boundary
-    assert SEALER.parse(seg, 100) is not None
-    res = scan(seg, SEALER)
-    assert res.extents == [] and res.discarded == 0
-
-
-def test_scan_segment_not_multiple_of_align():
-    seg = np.zeros(3 * ALIGN + 100, dtype=np.uint8)
-    write_extent(seg, 0, key(1), b"x" * 10, 1)
-    write_extent(seg, 3 * ALIGN, key(2), b"y" * 30, 2)  # fits in the trailing 100 bytes
-    res = scan(seg, SEALER)
-    assert [h.key for h in res.extents] == [key(1)]  # only whole ALIGN slots are scanned
-    assert res.discarded == 0
-
-
-def test_scan_ignores_magic_in_payload_that_is_not_a_header():
-    seg = new_segment(8)
-    data = bytearray(payload(3 * ALIGN, 5))
-    # The payload starts at HEADER_SIZE, so payload index ALIGN - HEADER_SIZE lands on offset ALIGN.
-    i = ALIGN - HEADER_SIZE
-    data[i : i + 4] = MAGIC
-    data = bytes(data)
-    write_extent(seg, 0, key(1), data, 1)
-    assert bytes(seg[ALIGN : ALIGN + 4]) == MAGIC
-    res = scan(seg, SEALER)
-    assert [(h.offset, h.key) for h in res.extents] == [(0, key(1))]
-    assert res.discarded == 1
-
-
-def _embedding_payload(inner_key: bytes, inner_data: bytes, inner_gen: int, at: int, total: int) -> bytes:
-    """A payload for an extent at offset 0 that carries a whole extent sealed for segment offset ``at``."""
-    data = bytearray(payload(total, 99))
-    i = at - HEADER_SIZE
-    data[i : i + HEADER_SIZE] = SEALER.pack(inner_key, len(inner_data), checksum(inner_data), inner_gen, at)
-    data[i + HEADER_SIZE : i + HEADER_SIZE + len(inner_data)] = inner_data
-    return bytes(data)
-
-
-def test_scan_overlap_newer_outer_extent_wins():
-    seg = new_segment(16)
-    inner = payload(100, 1)
-    outer = _embedding_payload(key(1), inner, inner_gen=1, at=2 * ALIGN, total=5 * ALIGN)
-    write_extent(seg, 0, key(2), outer, gen=2)
-    assert SEALER.parse(seg, 2 * ALIGN) is not None  # a stale but sealed header lies inside
-    res = scan(seg, SEALER)
-    assert [(h.offset, h.key) for h in res.extents] == [(0, key(2))]
-    assert res.discarded == 1
-
-
-def test_scan_overlap_newer_inner_extent_wins():
-    seg = new_segment(16)
-    inner = payload(100, 1)
-    outer = _embedding_payload(key(1), inner, inner_gen=10, at=2 * ALIGN, total=5 * ALIGN)
-    write_extent(seg, 0, key(2), outer, gen=2)
-    res = scan(seg, SEALER)
-    assert [(h.offset, h.key) for h in res.extents] == [(2 * ALIGN, key(1))]
-    assert res.discarded == 1
-
-
-def test_scan_stale_header_after_reuse_resolved_by_gen():
-    """A long extent (whose payload carries a sealed header at 4A) is overwritten at its start by
-    two newer, shorter extents: the newer ones win where they overlap, and the stale header at
-    4A, which overlaps nothing newer, is found again."""
-    seg = new_segment(32)
-    old_inner = payload(50, 7)
-    old = _embedding_payload(key(3), old_inner, inner_gen=3, at=4 * ALIGN, total=8 * ALIGN)
-    write_extent(seg, 0, key(1), old, gen=4)
-    # Newer, shorter extents reuse [0, 2A) and [2A, 3A): the old header at 0 is replaced.
-    write_extent(seg, 0, key(5), payload(300, 5), gen=5)
-    write_extent(seg, 2 * ALIGN, key(6), payload(100, 6), gen=6)
-    res = scan(seg, SEALER, verify=False)
-    got = {(h.offset, h.key) for h in res.extents}
-    # The old embedded extent at 4A (gen 3) overlaps nothing newer, so it survives.
-    assert got == {(0, key(5)), (2 * ALIGN, key(6)), (4 * ALIGN, key(3))}
-    assert [h.gen for h in res.extents] == [3, 5, 6]
-
-
-def test_scan_many_random_extents_round_trip():
-    rng = random.Random(11)
-    seg = new_segment(512)
-    off = 0
-    expect = {}
-    gen = 0
-    while True:
-        n = rng.randrange(0, 3000)
-        if off + extent_size(n) > seg.size:
-            break
-        gen += 1
-        data = rng.randbytes(n)
-        write_extent(seg, off, key(gen), data, gen)
-        expect[off] = (key(gen), n, checksum(data), gen)
-        off += extent_size(n) + ALIGN * rng.randrange(0, 3)
-    res = scan(seg, SEALER)
-    assert res.discarded == 0
-    assert {h.offset: (h.key, h.length, h.checksum, h.gen) for h in res.extents} == expect
-
-
 def test_module_header_layout_is_64_bytes():
     assert extent._HEADER.size + extent._SEAL.size == HEADER_SIZE
     assert extent._HEADER.size == 56
+
+
+# ---- many headers and payloads at once (kvstore.batch) -------------------------------------------
+
+NATIVE = pytest.mark.skipif(batch._impl is None, reason="the native module was not built")
+
+
+@pytest.mark.parametrize("width", [1, 56, 64, 100, 128])
+@pytest.mark.parametrize("key_len", [1, 32, 64])
+def test_numpy_blake2b_is_hashlibs_keyed_blake2b(width, key_len):
+    rng = np.random.default_rng(width * key_len)
+    k = rng.integers(0, 256, key_len, dtype=np.uint8).tobytes()
+    msgs = rng.integers(0, 256, (50, width), dtype=np.uint8)
+    want = [int.from_bytes(hashlib.blake2b(m.tobytes(), key=k, digest_size=8).digest(), "little") for m in msgs]
+    assert batch.blake2b64(k, msgs).tolist() == want
+
+
+def _headers(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """n sealed headers at random offsets, every other one damaged in one byte."""
+    rng = np.random.default_rng(seed)
+    offs = rng.integers(0, 1 << 40, n).astype(np.uint64) // ALIGN * ALIGN
+    keys = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    raw = SEALER.pack_many(keys, rng.integers(0, 1 << 20, n), rng.integers(0, 1 << 63, n), np.arange(n) + 1, offs)
+    raw[1::2, rng.integers(0, 64)] ^= 0x10
+    return raw, offs
+
+
+def test_pack_many_is_pack_row_by_row_and_check_many_is_parse():
+    raw, offs = _headers(200, 1)
+    raw[1::2] = SEALER.pack_many(np.zeros((100, 16), np.uint8), np.ones(100), np.ones(100), np.ones(100), offs[1::2])
+    f = raw.view(extent.HEADER_DTYPE).reshape(-1)
+    for i in range(0, 200, 7):
+        one = SEALER.pack(
+            f["key"][i].tobytes(), int(f["length"][i]), int(f["checksum"][i]), int(f["gen"][i]), int(offs[i])
+        )
+        assert raw[i].tobytes() == one
+    raw[::3, 60] ^= 1  # a third of the seals broken
+    raw[5, 4] = 9  # another version
+    got = SEALER.check_many(raw, offs)
+    assert got.tolist() == [SEALER.parse(raw[i].tobytes(), at=int(offs[i])) is not None for i in range(200)]
+    assert 0 < got.sum() < 200
+    assert not OTHER.check_many(raw, offs).any()
+    assert not SEALER.check_many(raw, offs + np.uint64(ALIGN)).any()  # sealed for another offset
+
+
+def test_seals_with_and_without_the_native_module_match_hashlib():
+    raw, offs = _headers(300, 2)
+    want = [int.from_bytes(seal(r[:56].tobytes(), int(o)), "little") for r, o in zip(raw, offs)]
+    assert batch.python_seals(SECRET, raw, offs).tolist() == want
+    assert batch.seals(SECRET, raw, offs).tolist() == want
+    ok = batch.seals_ok(SECRET, raw, offs)
+    assert ok.tolist() == [
+        i % 2 == 0 or raw[i, 56:].tobytes() == seal(raw[i, :56].tobytes(), int(offs[i])) for i in range(300)
+    ]
+    with pytest.raises(InvalidArgument):
+        batch.seals(SECRET, raw[:, :63], offs)
+
+
+@NATIVE
+def test_native_seals_refuse_mismatched_buffers():
+    raw, offs = _headers(4, 3)
+    with pytest.raises(ValueError):
+        batch._impl.seal_many(SECRET, raw, offs[:3], np.empty(3, np.uint64))
+    with pytest.raises(ValueError):
+        batch._impl.seal_many(b"", raw, offs, np.empty(4, np.uint64))
+
+
+def test_checksums_with_and_without_the_native_module_match_xxhash():
+    rng = np.random.default_rng(4)
+    buf = rng.integers(0, 256, 100_000, dtype=np.uint8)
+    starts = rng.integers(0, 90_000, 500).astype(np.uint64)
+    lengths = rng.integers(0, 10_000, 500).astype(np.uint64)
+    starts[:2], lengths[:2] = [0, 100_000], [100_000, 0]  # all of it; empty at the end
+    want = [xxhash.xxh3_64_intdigest(buf[s : s + n].tobytes()) for s, n in zip(starts.tolist(), lengths.tolist())]
+    assert batch.checksums(buf, starts, lengths).tolist() == want
+    assert batch.python_checksums(buf, starts, lengths).tolist() == want
+    for s, n in [(99_999, 2), (100_001, 0), (0, 1 << 63)]:
+        with pytest.raises(InvalidArgument):
+            batch.checksums(buf, np.array([s], np.uint64), np.array([n], np.uint64))
+
+
+@NATIVE
+def test_native_checksums_check_their_ranges_themselves():
+    buf = np.zeros(1000, np.uint8)
+    out = np.empty(2, np.uint64)
+    with pytest.raises(ValueError, match="range 1"):
+        batch._impl.xxh3_many(buf, np.array([0, 990], np.uint64), np.array([10, 11], np.uint64), out)
+
+
+def test_record_crcs_match_xxh32():
+    rng = np.random.default_rng(5)
+    buf = rng.integers(0, 256, 68 * 40 + 30, dtype=np.uint8)  # a torn record at the end
+    want = [xxhash.xxh32_intdigest(buf[i : i + 64].tobytes()) for i in range(0, 68 * 40, 68)]
+    assert batch.record_crcs(buf, 68, 64).tolist() == want
+    assert batch.python_record_crcs(buf, 68, 64).tolist() == want
+    with pytest.raises(InvalidArgument):
+        batch.record_crcs(buf, 64, 68)
+
+
+def test_ordered_map_keeps_order_on_threads():
+    rng = random.Random(6)
+    items = list(range(200))
+
+    def slow_square(i: int) -> int:
+        time.sleep(rng.random() / 2000)
+        return i * i
+
+    assert list(batch.ordered_map(slow_square, items, threads=4)) == [i * i for i in items]
+    assert list(batch.ordered_map(slow_square, items, threads=1)) == [i * i for i in items]
+    cols = [np.arange(10, dtype=np.uint64), np.arange(20, dtype=np.uint8).reshape(10, 2)]
+    a, b = batch.take_columns(cols, np.array([3, 1, 1]))
+    assert a.tolist() == [3, 1, 1] and b.tolist() == [[6, 7], [2, 3], [2, 3]]
