@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """How the metadata index scales with the blocks it holds: memory per block, 1000-key lookup
-latency and put+commit throughput, for the object index (``kvstore.meta.index.Index``) and the
-compact one (``kvstore.meta.compact.CompactIndex``), in-process (no gRPC).
+latency and put+commit throughput of the index (``kvstore.meta.index.Index``), in-process (no
+gRPC), with the ``lru`` cache policy and with ``adaptive`` (its count columns and history).
 
-    python bench/index_scale.py             # compact at 10k, 1M, 10M; object index at 10k, 1M
-    python bench/index_scale.py --quick     # 10k and 200k, both
+    python bench/index_scale.py             # lru at 10k, 1M, 10M; adaptive at 1M
+    python bench/index_scale.py --quick     # 10k and 200k, both policies
 
 Each point runs in its own process: one daemon with one DRAM segment of exactly N extents of
 4 KiB, filled with N blocks of random keys by ``put_start`` + ``put_commit`` in batches of 1,000
@@ -16,9 +16,9 @@ that the ratio of the two is measured under one machine load); then 100,000 more
 blocks put and committed into the full segment, each evicting the least recently used block
 (steady-state put throughput at N).
 
-Figures (``bench/results/index_scale.json``): ``index_bytes_per_block`` (compact, largest N;
-target <= 128), ``lookup_10m_over_10k`` (compact lookup p50 at 10M over its 10k reference; target <= 1.5),
-``put_commit_10m_blocks_per_s``, and per point the same for both indexes.
+Figures (``bench/results/index_scale.json``): ``index_bytes_per_block`` (lru, largest N;
+target <= 128), ``lookup_10m_over_10k`` (lru lookup p50 at 10M over its 10k reference; target <= 1.5),
+``put_commit_10m_blocks_per_s``, and per point the same.
 """
 
 from __future__ import annotations
@@ -52,12 +52,10 @@ BLOCK = 4096  # extent bytes
 
 def _make(kind: str, n: int):  # noqa: ANN202
     from kvstore.extent import HEADER_SIZE
-    from kvstore.meta.compact import CompactIndex
     from kvstore.meta.index import DaemonSpec, Index, IndexLimits, SegmentSpec, Tier
 
-    # compact-adaptive: the compact index with the adaptive policy's count columns and history.
-    limits = IndexLimits(cache_policy="adaptive" if kind == "compact-adaptive" else "lru")
-    ix = CompactIndex(limits, rows=n) if kind.startswith("compact") else Index(limits)
+    # kind: the cache policy ("adaptive": with its count columns and history).
+    ix = Index(IndexLimits(cache_policy=kind), rows=n)
     seg = SegmentSpec(1, Tier.DRAM, n * BLOCK, "/dev/shm/kvstore-index-scale")
     ix.register_daemon(DaemonSpec("d1", "h1", "d1:data", "d1:ctl", (seg,)), {})
     return ix, BLOCK - HEADER_SIZE
@@ -120,9 +118,8 @@ def point(kind: str, n: int, seed: int = 0) -> dict:
         "lookup_over_ref": float(np.percentile(lat, 50) / np.percentile(ref_lat, 50)),
         "put_commit_blocks_per_s": STEADY / steady_s,
     }
-    if kind.startswith("compact"):
-        out["not_admitted"] = ix.counters["not_admitted_keys"]
-        out["table_bytes_per_block"] = ix.table.nbytes() / n
+    out["not_admitted"] = ix.counters["not_admitted_keys"]
+    out["table_bytes_per_block"] = ix.table.nbytes() / n
     return out
 
 
@@ -155,14 +152,14 @@ def run(points: list[tuple[str, int]]) -> list[dict]:
 def figures(rows: list[dict]) -> dict:
     by = {(r["index"], r["blocks"]): r for r in rows}
     f: dict = {}
-    for kind, name in (("compact", "index"), ("object", "object")):
+    for kind in ("lru",):
         ns = sorted(n for k, n in by if k == kind)
         if not ns:
             continue
         big = by[(kind, ns[-1])]
-        f[f"{name}_bytes_per_block"] = big["bytes_per_block"]
-        f[f"{kind}_lookup_largest_over_ref"] = big["lookup_over_ref"]
-        if kind == "compact" and ns[-1] == 10_000_000:
+        f["index_bytes_per_block"] = big["bytes_per_block"]
+        f["lookup_largest_over_ref"] = big["lookup_over_ref"]
+        if ns[-1] == 10_000_000:
             f["lookup_10m_over_10k"] = big["lookup_over_ref"]
             f["put_commit_10m_blocks_per_s"] = big["put_commit_blocks_per_s"]
     return f
@@ -177,7 +174,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for kind, color in (("object", "tab:grey"), ("compact", "tab:blue")):
+    for kind, color in (("lru", "tab:blue"), ("adaptive", "tab:orange")):
         rs = sorted((r for r in rows if r["index"] == kind), key=lambda r: r["blocks"])
         if not rs:
             continue
@@ -185,7 +182,7 @@ def plot(rows: list[dict], path: Path) -> bool:
         a.plot(ns, [r["lookup_over_ref"] for r in rs], "o-", color=color, label=kind)
         b.plot(ns, [r["bytes_per_block"] for r in rs], "o-", color=color, label=kind)
     a.set(xscale="log", xlabel="blocks indexed", ylabel="1000-key lookup p50 / 10k reference's", ylim=(0, None))
-    a.axhline(1.5, color="red", lw=0.8, ls=":", label="target 1.5 (compact, 10M)")
+    a.axhline(1.5, color="red", lw=0.8, ls=":", label="target 1.5 (lru, 10M)")
     b.set(xscale="log", xlabel="blocks indexed", ylabel="memory per block (bytes)", ylim=(0, None))
     b.axhline(128, color="red", lw=0.8, ls=":", label="target 128")
     for ax in (a, b):
@@ -211,12 +208,11 @@ def report(result: dict) -> str:
         "of 1,000 stored keys drawn at random (no locality), each timed, in turn with the same lookups on a "
         "reference index of 10,000 blocks of the same kind built in the same process (the ratio to it is "
         "`lookup_10m_over_10k`: both measured under the same machine load). Put+commit: 100,000 new blocks "
-        "into the full segment, each evicting the least recently used. **object** = `kvstore.meta.index.Index` "
-        "(what the service runs), **compact** = `kvstore.meta.compact.CompactIndex` (columnar block table), "
-        "both with `cache_policy=lru`; **compact-adaptive** = the compact index with the adaptive policy "
+        "into the full segment, each evicting the least recently used. The index is `kvstore.meta.index.Index` "
+        "(columnar block table), **lru** = with `cache_policy=lru`; **adaptive** = with the adaptive policy "
         "(its count and mark columns; the history of blocks not stored stays empty here, as every key is new "
         "and stored; new blocks the policy declines count as placed).",
-        "- Targets: `index_bytes_per_block` <= 128 and `lookup_10m_over_10k` <= 1.5 (compact).",
+        "- Targets: `index_bytes_per_block` <= 128 and `lookup_10m_over_10k` <= 1.5 (lru).",
         "",
         "| index | blocks | bytes/block | lookup p50 (ms) | lookup p99 (ms) | 10k reference p50 (ms) | p50 / reference | put+commit at N (blocks/s) | fill, traced (blocks/s) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -232,7 +228,7 @@ def report(result: dict) -> str:
         if name in f:
             bound = float(target.split()[-1])
             lines.append(f"- `{name}` = **{f[name]:.2f}** (target {target}: {'met' if f[name] <= bound else 'missed'})")
-    for name in ("put_commit_10m_blocks_per_s", "object_bytes_per_block", "object_lookup_largest_over_ref"):
+    for name in ("put_commit_10m_blocks_per_s", "lookup_largest_over_ref"):
         if name in f:
             lines.append(f"- `{name}` = {f[name]:,.2f}")
     if result.get("plot"):
@@ -242,14 +238,13 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="10k and 200k blocks, both indexes")
+    ap.add_argument("--quick", action="store_true", help="10k and 200k blocks, both policies")
     ap.add_argument("--no-report", action="store_true", help="do not rewrite bench/RESULTS.md")
     ns = ap.parse_args(argv)
     if ns.quick:
-        points = [(k, n) for n in (10_000, 200_000) for k in ("object", "compact")]
+        points = [(k, n) for n in (10_000, 200_000) for k in ("lru", "adaptive")]
     else:
-        points = [("object", 10_000), ("compact", 10_000), ("object", 1_000_000), ("compact", 1_000_000)]
-        points += [("compact-adaptive", 1_000_000), ("compact", 10_000_000)]
+        points = [("lru", 10_000), ("lru", 1_000_000), ("adaptive", 1_000_000), ("lru", 10_000_000)]
     rows = run(points)
     result = {
         "command": "python bench/index_scale.py" + (" --quick" if ns.quick else ""),

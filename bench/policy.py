@@ -55,8 +55,7 @@ from bench.report import machine, update_section  # noqa: E402
 from bench.workloads import Workload, make  # noqa: E402
 from kvstore.errors import ResourceExhausted  # noqa: E402
 from kvstore.extent import extent_size  # noqa: E402
-from kvstore.meta.compact import CompactIndex  # noqa: E402
-from kvstore.meta.index import Clock, DaemonSpec, Index, IndexLimits, SegmentSpec, Tier  # noqa: E402
+from kvstore.meta.index import Clock, DaemonSpec, Index, IndexLimits, PolicyParams, SegmentSpec, Tier  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 SEED = 0
@@ -171,14 +170,12 @@ class _FrozenClock(Clock):
         return self.t
 
 
-_INDEX = ["object"]  # the index layout replayed (--index); set before the pool forks
-
-
-def make_index(capacity: int, block_bytes: int = BLOCK_BYTES, policy: str = "adaptive") -> Index:
-    """An index with one daemon whose one DRAM segment holds exactly ``capacity`` blocks (the
-    object index, or the compact one with ``--index compact``: the same decisions)."""
-    kind = CompactIndex if _INDEX[0] == "compact" else Index
-    idx = kind(IndexLimits(cache_policy=policy), clock=_FrozenClock())
+def make_index(
+    capacity: int, block_bytes: int = BLOCK_BYTES, policy: str = "adaptive", params: PolicyParams | None = None
+) -> Index:
+    """An index with one daemon whose one DRAM segment holds exactly ``capacity`` blocks, its
+    cache policy's parameters ``params`` (default: the index's own)."""
+    idx = Index(IndexLimits(cache_policy=policy, policy=params or PolicyParams()), clock=_FrozenClock())
     seg = SegmentSpec(1, Tier.DRAM, capacity * extent_size(block_bytes))
     idx.register_daemon(DaemonSpec("bench-daemon", "bench-host", "", "", (seg,)), {})
     return idx
@@ -659,18 +656,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, action="append", help="only this capacity in blocks (repeatable)")
     ap.add_argument("--jobs", type=int, default=None, help="worker processes (default: up to 2)")
     ap.add_argument("--suffix-put", action="store_true", help="also run kvstore with a suffix-only put")
-    ap.add_argument(
-        "--index", choices=("object", "compact"), default="object",
-        help="the index layout kvstore runs on (compact: results go to policy_compact.json and RESULTS.md's policy_compact section)",
-    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/policy.json")
     ap.add_argument("--no-report", action="store_true", help="do not rewrite bench/RESULTS.md")
     ns = ap.parse_args(argv)
-    _INDEX[0] = ns.index
     if ns.out is None:
-        ns.out = RESULTS / ("policy.json" if ns.index == "object" else "policy_compact.json")
+        ns.out = RESULTS / "policy.json"
     flags = ["--quick"] if ns.quick else []
-    flags += [f"--index {ns.index}"] if ns.index != "object" else []
     flags += [f"--workload {w}" for w in ns.workload or []] + [f"--capacity {c}" for c in ns.capacity or []]
     flags += ["--suffix-put"] if ns.suffix_put else []
     cmd = " ".join(["python bench/policy.py", *flags])
@@ -682,14 +673,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": date,
         "machine": machine(),
         "wall_s": round(time.perf_counter() - t0, 1),
-        "index": ns.index,
         **result,
     }
     result["notes"] = notes(result)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(result, indent=2) + "\n")
     png = ns.out.with_name(f"{ns.out.stem}_hit_rate.png")
-    has_plot = plot(result, png) if ns.index == "object" else False
+    has_plot = plot(result, png)
     for name, w in result["workloads"].items():
         for row in w["rows"]:
             rates = "  ".join(f"{p} {v:.3f}" for p, v in row["hit_rates"].items())
@@ -699,46 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if field in result:
             print(f"{field} = {result[field]}")
     print(f"wrote {ns.out} in {result['wall_s']} s")
-    if not ns.no_report and ns.index == "object":
+    if not ns.no_report:
         update_section("policy", render(result, png.name if has_plot else None))
-    elif not ns.no_report:
-        update_section("policy_compact", render_compact(result, RESULTS / "policy.json"))
     return 0
-
-
-def render_compact(r: dict, object_json: Path) -> str:
-    """The compact index's replay next to the object index's (``object_json``, the last
-    ``python bench/policy.py``): the same decisions give the same hit rates."""
-    obj = json.loads(object_json.read_text()) if object_json.exists() else {"workloads": {}}
-    lines = [
-        "## Cache policy on the compact index (`bench/policy.py --index compact`)",
-        "",
-        f"- Command: `{r['command']}`",
-        f"- Date: {r['date']}",
-        f"- Machine: {r['machine']}",
-        "- Setup: as in the section above, with kvstore on `kvstore.meta.compact.CompactIndex` (its counts and "
-        "marks in columns of the block table, `kvstore/meta/compact_policy.py`), next to the object index's "
-        f"hit rates from `{object_json.relative_to(REPO)}` ({obj.get('date', 'not run')}).",
-        "",
-        "| workload | capacity | compact (adaptive) | object (adaptive) | compact (lru) | object (lru) | same |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    same = total = 0
-    for name, w in r["workloads"].items():
-        orows = {x["capacity"]: x for x in obj["workloads"].get(name, {}).get("rows", [])}
-        for row in w["rows"]:
-            o = orows.get(row["capacity"], {}).get("hit_rates", {})
-            h = row["hit_rates"]
-            eq = o.get("kvstore") == h["kvstore"] and o.get("kvstore_lru") == h["kvstore_lru"]
-            same += eq
-            total += 1
-            fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else "-"  # noqa: E731
-            lines.append(
-                f"| {name} | {row['capacity']:,} | {fmt(h['kvstore'])} | {fmt(o.get('kvstore'))} | "
-                f"{fmt(h['kvstore_lru'])} | {fmt(o.get('kvstore_lru'))} | {'yes' if eq else '**no**'} |"
-            )
-    lines += ["", f"- Same hit rates at {same} of {total} points (both policies)."]
-    return "\n".join(lines)
 
 
 def _share(x: float) -> str:

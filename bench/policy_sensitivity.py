@@ -5,11 +5,12 @@
     python bench/policy_sensitivity.py --quick    # fewer points and values
 
 The frequency mode of the adaptive policy (:mod:`kvstore.meta.policy`) has three parameters,
-taken from the papers, not fitted to a workload: counts halve every ``AGE_FACTOR`` = 10 x the
+taken from the papers, not fitted to a workload: counts halve every ``age_factor`` = 10 x the
 cache size accesses (TinyLFU's reset period), blocks not stored keep their counts in a history of
-``HISTORY_FACTOR`` = 10 x the cache size, and a sampled eviction compares the ``SAMPLE`` = 64
+``history_factor`` = 10 x the cache size, and a sampled eviction compares the ``sample`` = 64
 least recent blocks (hyperbolic caching, Redis' LFU). The duel's evidence window is four aging
-periods and moves with ``AGE_FACTOR``.
+periods and moves with ``age_factor``. Each replay makes its index with its own
+:class:`~kvstore.meta.records.PolicyParams`.
 
 Two measurements, each replaying a workload through the metadata service's index as
 ``bench/policy.py`` does:
@@ -38,7 +39,6 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -50,11 +50,11 @@ if str(REPO) not in sys.path:
 from bench import policy as P  # noqa: E402
 from bench.report import machine, update_section  # noqa: E402
 from bench.workloads import make  # noqa: E402
-from kvstore.meta import compact_policy, counts, duel  # noqa: E402
-from kvstore.meta import policy as index_policy  # noqa: E402
+from kvstore.meta.records import PolicyParams  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-DEFAULTS = {"age": duel.AGE_FACTOR, "history": duel.HISTORY_FACTOR, "sample": duel.SAMPLE}
+_P = PolicyParams()
+DEFAULTS = {"age": _P.age_factor, "history": _P.history_factor, "sample": _P.sample}
 SCALES = (0.25, 0.5, 1, 2, 4)
 POINTS = (("trace", 1000), ("trace", 3000), ("trace", 10000), ("trace", 30000), ("chat", 1000), ("chat", 3000))
 POINTS += (("docqa", 1000), ("docqa", 3000))
@@ -65,44 +65,17 @@ FIT_POINT = ("trace", 1000)
 TARGET_1K = 2.0  # issue target: trace_hit_over_lru_1k
 
 
-class _FrequencyOnly(duel.Duel):
-    """The duel, held in frequency mode from the first request on."""
-
-    def decide(self) -> None:
-        if self.mode != duel.FREQUENCY:
-            self.mode = duel.FREQUENCY
-            self.switches += 1
-
-
-@contextmanager
-def parameters(age: float, history: float, sample: int, frequency_only: bool = False) -> Iterator[None]:
-    """The policy's parameters set to these values (in every module that reads them) for the
-    indexes made inside, and put back after."""
-    slots = [
-        (duel, "AGE_FACTOR", age),
-        (counts, "AGE_FACTOR", age),
-        (duel, "WINDOW_FACTOR", 4 * age),
-        (duel, "HISTORY_FACTOR", history),
-        (counts, "HISTORY_FACTOR", history),
-        (duel, "SAMPLE", sample),
-        (index_policy, "SAMPLE", sample),
-        (compact_policy, "SAMPLE", sample),
-    ]
-    if frequency_only:
-        slots.append((counts, "Duel", _FrequencyOnly))
-    saved = [(m, name, getattr(m, name)) for m, name, _ in slots]
-    try:
-        for m, name, value in slots:
-            setattr(m, name, value)
-        yield
-    finally:
-        for m, name, value in saved:
-            setattr(m, name, value)
+def params_of(age: float, history: float, sample: int, frequency_only: bool = False) -> PolicyParams:
+    """The policy's parameters with these three set (the duel's window follows the aging period,
+    4 x, as by default); ``frequency_only``: held in frequency mode from the first request on."""
+    return PolicyParams(
+        age_factor=age, history_factor=history, sample=sample, fixed_mode="frequency" if frequency_only else ""
+    )
 
 
 def _task(name: str, capacity: int, params: tuple[float, float, int], frequency_only: bool) -> tuple:
-    with parameters(*params, frequency_only=frequency_only):
-        out = P.kvstore_hits(P._STREAMS[name], capacity)
+    index = P.make_index(capacity, params=params_of(*params, frequency_only=frequency_only))
+    out = P.kvstore_hits(P._STREAMS[name], capacity, index=index)
     return name, capacity, params, frequency_only, out
 
 
@@ -243,7 +216,7 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def render(r: dict, png: str | None) -> str:
-    names = {"age": "AGE_FACTOR", "history": "HISTORY_FACTOR", "sample": "SAMPLE"}
+    names = {"age": "age_factor", "history": "history_factor", "sample": "sample"}
     fit = r["fit"]
     best, dflt = fit["best"], fit["at_defaults"]
     loss, gain = r["largest_loss"], r["largest_gain"]
@@ -255,7 +228,7 @@ def render(r: dict, png: str | None) -> str:
         f"- Machine: {r['machine']}",
         "- Setup: each workload replayed through the metadata service's index as in `bench/policy.py`, with one of the "
         "frequency mode's parameters scaled from 1/4 to 4 x its default and the others at theirs (the whole adaptive "
-        "policy, its duel included; the duel's evidence window moves with AGE_FACTOR). Cells: kvstore hit rate / plain "
+        "policy, its duel included; the duel's evidence window moves with age_factor). Cells: kvstore hit rate / plain "
         "LRU's.",
         "",
         f"- Largest loss against the defaults: {loss['below_default']:.4f} (hit rate) at {loss['point']}, "
@@ -275,7 +248,7 @@ def render(r: dict, png: str | None) -> str:
         lines.append("")
     lines += [
         f"**Fitted to the trace** ({fit['point']}; the frequency mode alone, the mode the policy runs in there; "
-        f"{len(fit['grid'])} parameter sets: AGE_FACTOR x HISTORY_FACTOR x SAMPLE):",
+        f"{len(fit['grid'])} parameter sets: age_factor x history_factor x sample):",
         "",
         "| | hit rate | / LRU |",
         "|---|---:|---:|",

@@ -18,7 +18,6 @@ from typing import Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.meta.policy import POLICIES
-from kvstore.meta.records import INDEXES
 from kvstore.tls import TlsConfig
 from kvstore.tls import validate as validate_tls
 
@@ -44,10 +43,6 @@ class MetaConfig:
     # Eviction, demotion order and admission: "adaptive" (recency or frequency, whichever the
     # traffic rewards, see kvstore.meta.policy) or "lru" (recency only, every block stored).
     cache_policy: str = "adaptive"
-    # The index's layout: "object" (a Python object per block) or "compact" (columns, about 100
-    # bytes per block, for pools of hundreds of millions of blocks: one replica per block;
-    # kvstore.meta.compact). Both take either cache policy, with the same decisions.
-    index: str = "object"
     # The device tier (kvstore.meta.engines): an engine's reported holdings lapse this long after
     # its last report unless it names another time to live; at most this many engines.
     engine_ttl_s: float = 3.0
@@ -355,8 +350,7 @@ def validate(cfg: Config) -> None:
         v = getattr(m, key)
         if not (math.isfinite(v) and 0 <= v <= 1):
             raise InvalidArgument(f"meta.{key}: must be a fraction in [0, 1], got {v}")
-    one_of("meta", "cache_policy", POLICIES)
-    one_of("meta", "index", INDEXES)
+    one_of("meta", "cache_policy", tuple(POLICIES))
     for key in ("tenant_max_leased_bytes", "tenant_max_pinned_bytes", "read_ticket_ttl_s"):
         positive("meta", key, allow_zero=True)
     if m.dram_low_watermark >= m.dram_high_watermark:

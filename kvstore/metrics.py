@@ -28,7 +28,7 @@ from kvstore.meta.duel import MODES
 
 if TYPE_CHECKING:
     from kvstore.daemon.server import CacheDaemon
-    from kvstore.meta.index import Index
+    from kvstore.meta.api import IndexApi
 
 # 50 us .. 10 s: a local lookup is ~0.1 ms, a put of a big batch or a tier move seconds.
 RPC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -197,7 +197,7 @@ _META_COUNTERS = {
 class MetaCollector:
     """The metadata service's state and counters, read at scrape time."""
 
-    def __init__(self, index: Index) -> None:
+    def __init__(self, index: IndexApi) -> None:
         self.index = index
 
     def collect(self) -> Iterator[Metric]:

@@ -149,8 +149,10 @@ def add_service(
     server: grpc.aio.Server, pb2: Any, service_name: str, servicer: Any, registry: CollectorRegistry | None = None
 ) -> None:
     """Registers ``servicer``'s methods for ``service_name`` of the generated module ``pb2``
-    (unary-unary, unary-stream as in gRPC health's ``Watch``, or a bidirectional stream whose
-    servicer method answers one message, see :func:`_wrap_each`), unary ones and each message of
+    (unary-unary, unary-stream as in gRPC health's ``Watch``, stream-unary, whose servicer
+    method reads the stream of requests (each a message or a :class:`BadRequest`) and answers
+    once, or a bidirectional stream whose servicer method answers one message, see
+    :func:`_wrap_each`), unary and stream-unary ones and each message of
     a bidirectional stream measured into ``registry`` (a long-lived stream such as ``Watch`` has
     no latency worth a histogram)."""
     desc = pb2.DESCRIPTOR.services_by_name[service_name]
@@ -159,8 +161,13 @@ def add_service(
         req_cls = getattr(pb2, m.input_type.name, None) or _message_class(m.input_type)
         resp_cls = getattr(pb2, m.output_type.name, None) or _message_class(m.output_type)
         fn = getattr(servicer, m.name)
-        if m.client_streaming and not m.server_streaming:
-            raise ValueError(f"{desc.full_name}.{m.name}: client-streaming methods are not supported")
+        if m.client_streaming and not m.server_streaming:  # the servicer reads the stream itself
+            handlers[m.name] = grpc.stream_unary_rpc_method_handler(
+                _wrap(desc.full_name, m.name, fn, registry),
+                request_deserializer=_deserializer(req_cls),
+                response_serializer=resp_cls.SerializeToString,
+            )
+            continue
         if m.client_streaming:
             handlers[m.name] = grpc.stream_stream_rpc_method_handler(
                 _wrap_each(_wrap(desc.full_name, m.name, fn, registry)),

@@ -57,7 +57,7 @@ ROW_DTYPE = np.dtype(
 
 
 def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0, keys: bool = False) -> pb.Locations:  # noqa: ANN001
-    """Packs replicas (index.Replica, or the compact index's Location) as location rows plus one SegmentRef per distinct segment,
+    """Packs replicas (kvstore.meta.index.Location) as location rows plus one SegmentRef per distinct segment,
     and with ``op`` (tickets.READ or WRITE) a capability ticket per row for ``ttl_s`` seconds,
     signed with each daemon's ticket key (none for daemons without one); with ``keys``, the keys the
     blocks are stored under."""

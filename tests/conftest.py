@@ -74,7 +74,7 @@ class Cluster:
         self.tmp = tmp
         # Settings of every metadata service this cluster starts; by default those of
         # KVSTORE_TEST_META_SETS (space-separated), to run a whole suite on other settings
-        # (e.g. "meta.index=compact meta.cache_policy=lru").
+        # (e.g. "meta.cache_policy=lru").
         self.meta_sets = tuple(os.environ.get("KVSTORE_TEST_META_SETS", "").split()) if meta_sets is None else meta_sets
         self.procs: list[Proc] = []
         self.shm_paths: list[str] = []

@@ -30,6 +30,7 @@ import grpc
 from kvstore import tickets
 from kvstore.blocks import BlockCols
 from kvstore.cluster.slots import arena
+from kvstore.daemon.registration import send_registration
 from kvstore.errors import Unavailable
 from kvstore.keys import KEY_BYTES
 from kvstore.rpc import GRPC_OPTIONS
@@ -173,12 +174,8 @@ class MetaLink:
         # key no old write ticket can reach an extent it hands out again. (Clients' remembered
         # read tickets go too: they read those blocks once more through a lease.)
         key = tickets.new_key()
-        resp = await self.stub.RegisterDaemon(
-            meta_pb2.RegisterDaemonRequest(
-                daemon=d.info(), inventory=invs, ticket_key=key, registration=self.registration
-            ),
-            timeout=30,
-        )
+        # One message, or parts on one stream past what a message may carry (kvstore.daemon.registration).
+        resp = await send_registration(self.stub, d.info(), invs, key, self.registration)
         if (resp.shards or 1) != self.shards or resp.shard != self.shard:  # 0: a service of before shards
             log.warning(
                 "event=wrong_shard daemon=%s addr=%s answered_shard=%d of=%d want_shard=%d of=%d",

@@ -9,6 +9,8 @@ fragmentation is bounded without a tree. All sizes are multiples of ``extent.ALI
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvstore.extent import ALIGN
 
 
@@ -70,31 +72,77 @@ class Allocator:
         self.used += size
         return start
 
+    def alloc_run(self, size: int, n: int) -> np.ndarray | None:
+        """Offsets of ``n`` new extents of ``size`` bytes each, as ``n`` calls of :meth:`alloc`
+        would place them (exact-size ranges first, then best fit, carving each range from its
+        start), or None (nothing allocated) if they do not all fit. Costs the ranges used, not
+        the extents."""
+        if size <= 0 or size % self.align:
+            raise ValueError(f"extent size must be a positive multiple of {self.align}, got {size}")
+        if n * size > self.free:
+            return None
+        exact = list(self._by_size.get(size, ()))[:n]
+        # Smallest first, each size's ranges in the order alloc() would take them.
+        bigger = [(s, st) for s in sorted(s for s in self._by_size if s > size) for st in list(self._by_size[s])]
+        if len(exact) + sum(s // size for s, _ in bigger) < n:
+            return None
+        out = [np.array(exact, dtype=np.int64)]
+        for st in exact:
+            self._remove(st)
+        need = n - len(exact)
+        for s, st in bigger:  # smallest first: best fit, as alloc() picks a range each time
+            if not need:
+                break
+            k = min(need, s // size)
+            self._remove(st)
+            if s > k * size:
+                self._add(st + k * size, s - k * size)
+            out.append(st + size * np.arange(k, dtype=np.int64))
+            need -= k
+        self.used += n * size
+        return np.concatenate(out)
+
     @classmethod
     def with_used(
-        cls, capacity: int, extents: list[tuple[int, int]], align: int = ALIGN, base: int = 0
-    ) -> tuple[Allocator, list[bool]]:
-        """An allocator whose ``extents`` (start, size) are in use (index rebuild from an inventory).
+        cls, capacity: int, extents: list[tuple[int, int]] | np.ndarray, align: int = ALIGN, base: int = 0
+    ) -> tuple[Allocator, np.ndarray]:
+        """An allocator whose ``extents`` (start, size; a list of pairs or an (n, 2) array) are in
+        use (index rebuild from an inventory).
 
-        Returns it and, per extent, whether it was accepted: an extent that is misaligned, out of
-        range or overlaps an earlier accepted one is refused.
+        Returns it and, per extent, whether it was accepted (a bool array): an extent that is
+        misaligned, out of range or overlaps an earlier accepted one (in start order) is refused.
+        Vectorised: an inventory of millions of extents costs a sort, and a walk of its extents
+        in Python only where some overlap.
         """
         alloc = cls(0, align, base)
         alloc.capacity = capacity - capacity % align
         end = base + alloc.capacity
-        accepted = [False] * len(extents)
-        cursor = base
-        for i in sorted(range(len(extents)), key=lambda j: extents[j][0]):
-            start, size = extents[i]
-            if start < cursor or size <= 0 or start % align or size % align or start + size > end:
-                continue
-            if start > cursor:
-                alloc._add(cursor, start - cursor)
-            cursor = start + size
-            alloc.used += size
-            accepted[i] = True
-        if cursor < end:
-            alloc._add(cursor, end - cursor)
+        ext = np.asarray(extents, dtype=np.int64).reshape(-1, 2)
+        starts, sizes = ext[:, 0], ext[:, 1]
+        # (An inventory usually comes in extent order already: then there is nothing to sort.)
+        ordered = len(starts) < 2 or bool((starts[1:] >= starts[:-1]).all())
+        order = np.arange(len(starts)) if ordered else np.argsort(starts, kind="stable")
+        s, z = (starts, sizes) if ordered else (starts[order], sizes[order])
+        ok = (s >= base) & (z > 0) & (s % align == 0) & (z % align == 0) & (s + z <= end)
+        i = np.flatnonzero(ok)
+        # Overlaps among the valid ones: a start before the previous valid extent's end.
+        if len(i) > 1 and (s[i[1:]] < (s[i[:-1]] + z[i[:-1]])).any():
+            cursor = base
+            for j in i.tolist():  # accept in start order, each past the last accepted one's end
+                if s[j] < cursor:
+                    ok[j] = False
+                else:
+                    cursor = int(s[j] + z[j])
+            i = np.flatnonzero(ok)
+        s, z = s[i], z[i]
+        accepted = np.zeros(len(ext), dtype=bool)
+        accepted[order[i]] = True
+        alloc.used = int(z.sum())
+        # The free ranges: the gaps before, between and after the accepted extents.
+        lo = np.concatenate(([base], s + z))
+        hi = np.concatenate((s, [end]))
+        for a, b in zip(lo[hi > lo].tolist(), hi[hi > lo].tolist()):
+            alloc._add(a, b - a)
         return alloc, accepted
 
     def release(self, start: int, size: int) -> None:

@@ -1,5 +1,4 @@
-"""Argument checks that every index implementation makes the same way (the object index,
-:class:`kvstore.meta.index.Index`, and the compact one, :class:`kvstore.meta.compact.CompactIndex`):
+"""Argument checks of the index (:class:`kvstore.meta.index.Index`), made one way:
 batches of keys, timeouts, a put's sizes, a daemon's registration. A mixin over ``limits``; each
 raises :class:`~kvstore.errors.InvalidArgument` saying what is wrong, having changed nothing.
 """
@@ -11,9 +10,12 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import KEY_BYTES, unpack_keys
-from kvstore.meta.records import GEN_LIMIT, DaemonSpec, InventoryItem, Tier
+from kvstore.meta.inventory import check_gens
+from kvstore.meta.records import DaemonSpec, Tier
 
 
 class Checks:
@@ -86,7 +88,7 @@ class Checks:
             raise InvalidArgument(f"written: {len(written)} flags for {n} allocated blocks of put {put_id}")
 
     @staticmethod
-    def _daemon_args(spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> None:
+    def _daemon_args(spec: DaemonSpec, inventory: dict[int, np.ndarray]) -> None:
         """Checks a registration: its daemon id, its segments, and that its inventory names
         only those segments and only generations below ``GEN_LIMIT`` (2**63; see
         :mod:`kvstore.meta.records`). Generation 0 passes here: such an item is refused on its
@@ -106,9 +108,4 @@ class Checks:
         for seg_id, items in inventory.items():
             if seg_id not in seg_ids:
                 raise InvalidArgument(f"inventory names unknown segment {seg_id}")
-            bad = next((i for i, it in enumerate(items) if not 0 <= it.gen < GEN_LIMIT), None)
-            if bad is not None:
-                raise InvalidArgument(
-                    f"inventory of segment {seg_id}, item {bad} (key {bytes(items[bad].key).hex()}): "
-                    f"generation {items[bad].gen} is outside [0, 2**63)"
-                )
+            check_gens(seg_id, items)

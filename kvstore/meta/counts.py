@@ -1,6 +1,5 @@
-"""The adaptive cache policy's state, kept alike by both indexes' policies
-(:mod:`kvstore.meta.policy` on entries, :mod:`kvstore.meta.compact_policy` on rows of the block
-table): access counts and their aging, the history of blocks seen but not stored, the duel of
+"""The adaptive cache policy's state beside the block table's columns
+(:mod:`kvstore.meta.policy`): access counts and their aging, the history of blocks seen but not stored, the duel of
 modes (:mod:`kvstore.meta.duel`), second chance's spells, and the deferral of accesses. What the
 modes do with them, and where the parameters come from, is told in :mod:`kvstore.meta.policy`.
 
@@ -14,11 +13,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from kvstore.meta.duel import AGE_FACTOR, FREQUENCY, HISTORY_FACTOR, MAX_COUNT, MODES, SECOND_CHANCE, Duel
+from kvstore.meta.duel import FREQUENCY, MAX_COUNT, MODES, SECOND_CHANCE, Duel
 
 T = TypeVar("T")
-HISTORY_MAX = 1 << 20
-MIN_POPULATION = 1024
 PENDING_MAX = 1 << 16  # queued accesses (keys) that force a drain
 EPOCH_SHIFT = 8
 
@@ -41,17 +38,17 @@ def aged(packed: int, epoch: int) -> int:
 
 
 class AdaptiveCounts:
-    """What the adaptive policy keeps and decides alike on both indexes (a mixin): counts'
-    aging, the history of blocks not stored, the duel of modes, second chance's spells, and the
-    deferral of accesses. Each index's policy keeps a stored block's count and mark its own way
-    (on its entry here, in columns of the block table in :mod:`kvstore.meta.compact_policy`):
-    ``_population``, ``_bump`` and ``_end_spell`` are its part."""
+    """What the adaptive policy keeps beside the table (a mixin): counts' aging, the history of
+    blocks not stored, the duel of modes, second chance's spells, and the deferral of accesses.
+    The policy keeps a stored block's count and mark in columns of the block table
+    (:mod:`kvstore.meta.policy`): ``_population``, ``_bump`` and ``_end_spell`` are its part;
+    ``params`` (a :class:`~kvstore.meta.records.PolicyParams`) is set before ``_init_counts``."""
 
     def _init_counts(self) -> None:
         self.epoch = 0
         self._n = 0
         self.history: OrderedDict[bytes, int] = OrderedDict()
-        self.duel = Duel()
+        self.duel = Duel(self.params)
         # Second-chance mode's spells, numbered: a block is marked (read again) when its
         # ``again`` is the current spell's number (see _second_chance).
         self._spell = 1
@@ -77,7 +74,8 @@ class AdaptiveCounts:
         return self.duel.switches
 
     def _history_limit(self) -> int:
-        return min(HISTORY_MAX, HISTORY_FACTOR * max(MIN_POPULATION, self._population()))
+        p = self.params
+        return min(p.history_max, int(p.history_factor * max(p.min_population, self._population())))
 
     def access(self, keys: Sequence[bytes], hits: int) -> None:
         """A read of ``keys`` (a request's chain, hits and misses), of which the index held the
@@ -109,7 +107,7 @@ class AdaptiveCounts:
         while len(hist) > limit:
             hist.popitem(last=False)
         self._n += len(keys)
-        if self._n >= AGE_FACTOR * max(MIN_POPULATION, self._population()):
+        if self._n >= self.params.age_factor * max(self.params.min_population, self._population()):
             self._n = 0
             self.epoch += 1
         was = self.duel.mode

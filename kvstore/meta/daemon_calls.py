@@ -1,5 +1,6 @@
-"""The metadata service's handlers for its daemons: registration (the inventory decoded on a
-thread when big, adopted in steps so that other calls are served meanwhile, filtered by the
+"""The metadata service's handlers for its daemons: registration (the inventory in one message,
+or streamed in parts when it passes a message's limit; decoded into columns on a thread when
+big, adopted in vectorised steps so that other calls are served meanwhile, filtered by the
 tombstones the daemon may not have applied), heartbeats (which carry tombstone batches until
 acknowledged) and drain. A mixin of :class:`kvstore.meta.servicer.MetaServicer`, over its
 ``index``, ``link``, identity checks and shard."""
@@ -10,44 +11,78 @@ import asyncio
 import logging
 import math
 
+import numpy as np
+
 from kvstore import tickets
 from kvstore.errors import InvalidArgument, PermissionDenied
-from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.keys import KEY_BYTES
 from kvstore.meta.daemons import invalidations_pb
-from kvstore.meta.index import SEGMENT_ALIGN, DaemonSpec, InventoryItem, SegmentSpec, Tier
-from kvstore.v1 import meta_pb2
-from kvstore.wire import U64, unpack
+from kvstore.meta.inventory import decode
+from kvstore.meta.membership import ADOPT_CHUNK
+from kvstore.meta.records import SEGMENT_ALIGN, DaemonSpec, SegmentSpec, Tier
+from kvstore.rpc import BadRequest
+from kvstore.v1 import common_pb2, meta_pb2
 
 log = logging.getLogger("kvstore.meta")
 
 _TIERS = {int(t) for t in Tier}
 
-# Inventory items adopted per step of a registration (about 0.1 s of the service's loop).
-ADOPT_CHUNK = 20_000
 
-
-def _inventory(request: meta_pb2.RegisterDaemonRequest) -> dict[int, list[InventoryItem]]:
-    """A registration's inventory, decoded and checked, oldest generation first per segment."""
-    inventory: dict[int, list[InventoryItem]] = {}
-    for inv in request.inventory:
-        keys = unpack_keys(inv.keys)  # raises InvalidArgument on a partial key
-        n = len(keys)
-        offs = unpack(inv.offset, U64, "inventory offset", n)
-        lens = unpack(inv.length, U64, "inventory length", n)
-        sums = unpack(inv.checksum, U64, "inventory checksum", n)
-        gens = unpack(inv.gen, U64, "inventory gen", n)
-        sizes = unpack(inv.size, U64, "inventory size", n) if inv.size else [0] * n
-        items = sorted(zip(gens, keys, offs, lens, sums, sizes))
-        inventory.setdefault(inv.segment_id, []).extend(
-            InventoryItem(k, o, ln, c, sz, g) for g, k, o, ln, c, sz in items
-        )
-    return inventory
+def _inventory(invs: list[common_pb2.Inventory]) -> dict[int, np.ndarray]:
+    """Inventory messages as columns per segment (:func:`kvstore.meta.inventory.decode`),
+    oldest generation first; a segment named in several has its parts joined."""
+    parts: dict[int, list[np.ndarray]] = {}
+    for inv in invs:
+        cols = {"offset": inv.offset, "length": inv.length, "checksum": inv.checksum, "gen": inv.gen, "size": inv.size}
+        parts.setdefault(inv.segment_id, []).append(decode(inv.segment_id, inv.keys, cols))
+    out = {}
+    for sid, ps in parts.items():
+        a = ps[0] if len(ps) == 1 else np.concatenate(ps)
+        out[sid] = a if len(ps) == 1 else a[np.argsort(a["gen"], kind="stable")]
+    return out
 
 
 class DaemonCalls:
-    """RegisterDaemon, DrainDaemon and Heartbeat."""
+    """RegisterDaemon (and RegisterDaemonStream), DrainDaemon and Heartbeat."""
 
     async def RegisterDaemon(self, request, context):
+        spec, room = self._daemon_spec(request, context)
+        self._count_inventory(request.inventory, room, {})
+        # A big inventory (hundreds of thousands of blocks) is decoded on a thread and adopted
+        # in steps, so that heartbeats and requests are served meanwhile.
+        big = sum(len(inv.keys) for inv in request.inventory) // KEY_BYTES > ADOPT_CHUNK
+        inventory = await asyncio.to_thread(_inventory, request.inventory) if big else _inventory(request.inventory)
+        return await self._register(spec, inventory)
+
+    async def RegisterDaemonStream(self, requests, context):
+        """A registration whose inventory comes in several messages: the first as RegisterDaemon's,
+        the others with parts of the inventory only; each part is checked against the room of
+        its segment (all parts together) and decoded on a thread as it arrives."""
+        spec = None
+        room: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        parts: list[dict[int, np.ndarray]] = []
+        async for request in requests:
+            if isinstance(request, BadRequest):
+                raise InvalidArgument(request.reason)
+            if spec is None:
+                spec, room = self._daemon_spec(request, context)
+            elif request.HasField("daemon") or request.ticket_key or request.registration:
+                raise InvalidArgument("RegisterDaemonStream: only the first message names the daemon")
+            self._count_inventory(request.inventory, room, seen)
+            if request.inventory:
+                parts.append(await asyncio.to_thread(_inventory, request.inventory))
+        if spec is None:
+            raise InvalidArgument("RegisterDaemonStream: no message")
+        inventory: dict[int, np.ndarray] = {}
+        for sid in {sid for p in parts for sid in p}:
+            a = np.concatenate([p[sid] for p in parts if sid in p])
+            inventory[sid] = a[np.argsort(a["gen"], kind="stable")]
+        return await self._register(spec, inventory)
+
+    def _daemon_spec(self, request: meta_pb2.RegisterDaemonRequest, context) -> tuple[DaemonSpec, dict[int, int]]:  # noqa: ANN001
+        """The registering daemon, checked (identity, ticket key, tiers), and the most blocks each
+        of its segments can hold."""
         info = request.daemon
         ident = self._who(context, "daemon")
         if self.authority is not None and info.daemon_id != ident.name:
@@ -61,13 +96,6 @@ class DaemonCalls:
         # An inventory is bounded by what its segment can hold before anything is decoded: every
         # block takes at least one alignment unit of the segment.
         room = {s.segment_id: s.capacity_bytes // SEGMENT_ALIGN[Tier(s.tier or Tier.DRAM)] for s in info.segments}
-        for inv in request.inventory:
-            n = len(inv.keys) // KEY_BYTES
-            if n > room.get(inv.segment_id, 0):
-                raise InvalidArgument(
-                    f"inventory of segment {inv.segment_id}: {n} blocks cannot fit it "
-                    f"(at most {room.get(inv.segment_id, 0)}, or the segment is not declared)"
-                )
         spec = DaemonSpec(
             info.daemon_id,
             info.host_id,
@@ -80,12 +108,29 @@ class DaemonCalls:
             key,
             request.registration,
         )
-        # A big inventory (hundreds of thousands of blocks) is decoded on a thread and adopted
-        # in steps, so that heartbeats and requests are served meanwhile.
-        big = sum(len(inv.keys) for inv in request.inventory) // KEY_BYTES > ADOPT_CHUNK
-        inventory = await asyncio.to_thread(_inventory, request) if big else _inventory(request)
+        return spec, room
+
+    @staticmethod
+    def _count_inventory(invs, room: dict[int, int], seen: dict[int, int]) -> None:  # noqa: ANN001
+        """Refuses inventory parts that, with those ``seen`` before, name more blocks than their
+        segment can hold (or name a segment the daemon did not declare)."""
+        for inv in invs:
+            n = seen.get(inv.segment_id, 0) + len(inv.keys) // KEY_BYTES
+            if n > room.get(inv.segment_id, 0):
+                raise InvalidArgument(
+                    f"inventory of segment {inv.segment_id}: {n} blocks cannot fit it "
+                    f"(at most {room.get(inv.segment_id, 0)}, or the segment is not declared)"
+                )
+            seen[inv.segment_id] = n
+
+    async def _register(self, spec: DaemonSpec, inventory: dict[int, np.ndarray]) -> meta_pb2.RegisterDaemonResponse:
+        """Adopts the inventory in steps (the loop serves other calls between them)."""
+        # The reservations of a big inventory are planned on a thread (sorting millions of
+        # extents); adoption then goes in steps on the loop.
+        big = sum(len(v) for v in inventory.values()) > ADOPT_CHUNK
+        plan = (await asyncio.to_thread(self.index.plan_registration, spec, inventory)) if big else None
         self.link.requeue(spec.daemon_id)  # tombstones it may not have applied filter its inventory
-        steps = self.index.register_daemon_steps(spec, inventory, chunk=ADOPT_CHUNK)
+        steps = self.index.register_daemon_steps(spec, inventory, chunk=ADOPT_CHUNK, plan=plan)
         while True:
             try:
                 next(steps)
@@ -100,7 +145,7 @@ class DaemonCalls:
             heartbeat_interval_ms=int(lim.heartbeat_interval_s * 1000),
             lease_ttl_ms=int(lim.daemon_ttl_s * 1000),
             rejected=rejected,
-            tickets=bool(key),
+            tickets=bool(spec.ticket_key),
             shard=self.shard,
             shards=self.shards,
             epoch=self.epoch,

@@ -25,10 +25,13 @@ import logging
 from collections.abc import Callable, Iterable
 
 import grpc
+import numpy as np
 
 from kvstore import tickets
 from kvstore.errors import KVStoreError, Unavailable
-from kvstore.meta.index import CommitStatus, Index, Move, PendingCommit, Replica, Tombstone
+from kvstore.meta.api import IndexApi
+from kvstore.meta.records import CommitStatus, PendingCommit, Tombstone
+from kvstore.meta.tiers import Move
 from kvstore.rpc import GRPC_OPTIONS
 from kvstore.tls import TlsConfig, aio_channel
 from kvstore.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
@@ -91,7 +94,7 @@ class DaemonLink:
 
     def __init__(
         self,
-        index: Index,
+        index: IndexApi,
         rpc_timeout_s: float = 5.0,
         move_timeout_s: float = 120.0,
         tls: TlsConfig | None = None,
@@ -165,47 +168,51 @@ class DaemonLink:
     async def commit(self, pc: PendingCommit) -> dict[int, tuple[int, int]]:
         """Has each daemon commit its blocks of the put. Returns, per placement index, the
         daemon's (CommitStatus, stored extent bytes)."""
-        groups: dict[str, list[tuple[int, Replica]]] = {}
-        for i, rep in enumerate(pc.replicas):
-            if rep is not None and rep.live:
-                groups.setdefault(rep.segment.daemon.spec.daemon_id, []).append((i, rep))
-        results = await asyncio.gather(*(self._commit_one(did, items, pc) for did, items in groups.items()))
+        p = pc.places
+        groups: dict[str, list[int]] = {}  # daemon id -> segment refs
+        for ref, seg in p.segments.items():
+            groups.setdefault(seg.daemon.spec.daemon_id, []).append(ref)
+        results = await asyncio.gather(
+            *(self._commit_one(did, np.flatnonzero(np.isin(p.refs, refs)), pc) for did, refs in groups.items())
+        )
         out: dict[int, tuple[int, int]] = {}
         for r in results:
             out.update(r)
         return out
 
-    async def _commit_one(
-        self, daemon_id: str, items: list[tuple[int, Replica]], pc: PendingCommit
-    ) -> dict[int, tuple[int, int]]:
-        unavailable = {i: (int(CommitStatus.UNAVAILABLE), 0) for i, _ in items}
+    async def _commit_one(self, daemon_id: str, mine: np.ndarray, pc: PendingCommit) -> dict[int, tuple[int, int]]:
+        """The blocks at ``mine`` (positions in ``pc.places``) committed by their daemon, in
+        one call, its columns packed whole."""
+        p = pc.places
+        index = p.index[mine].tolist()
+        unavailable = {i: (int(CommitStatus.UNAVAILABLE), 0) for i in index}
         stub = self._stub(daemon_id)
-        # Only blocks the index still has (a registration of the daemon since commit() looked
-        # ended them), for the registration they were placed on.
-        items = [(i, r) for i, r in items if r.live]
-        if stub is None or not items:
+        if stub is None or not index:
             return unavailable
-        reps = [r for _, r in items]
+        segs = p.segments
+        seg_ids = np.array([segs[ref].spec.segment_id for ref in p.refs[mine].tolist()], dtype="<u4")
+        keys = np.frombuffer(p.keys, dtype="V16")[mine].tobytes()
         req = daemon_pb2.CommitRequest(
             shard=self.shard,
             epoch=self.epoch,
-            registration=reps[0].segment.daemon.spec.registration,
-            keys=b"".join(r.key for r in reps),
-            segment=pack([r.segment.spec.segment_id for r in reps], U32),
-            offset=pack([r.offset for r in reps], U64),
-            length=pack([r.length for r in reps], U64),
-            checksum=pack([pc.checksums[i] for i, _ in items], U64),
-            gen=pack([r.gen for r in reps], U64),
+            # The registration the blocks were placed on (not the one the index knows by now).
+            registration=segs[int(p.refs[mine[0]])].daemon.spec.registration,
+            keys=keys,
+            segment=seg_ids.tobytes(),
+            offset=p.offset[mine].astype("<u8").tobytes(),
+            length=p.length[mine].astype("<u8").tobytes(),
+            checksum=np.array(pc.checksums, dtype="<u8")[p.index[mine]].tobytes(),
+            gen=p.gen[mine].astype("<u8").tobytes(),
         )
         try:
             resp = await stub.Commit(req, timeout=self.rpc_timeout_s, metadata=self._signed(daemon_id, "Commit", req))
-            status = unpack(resp.status, U8, "status", len(items))
-            stored = unpack(resp.stored_size, U64, "stored_size", len(items))
+            status = unpack(resp.status, U8, "status", len(index))
+            stored = unpack(resp.stored_size, U64, "stored_size", len(index))
         except _FAILED as e:
             reason = _failed(e)
-            log.warning("event=commit_failed daemon=%s blocks=%d reason=%s", daemon_id, len(items), reason)
+            log.warning("event=commit_failed daemon=%s blocks=%d reason=%s", daemon_id, len(index), reason)
             return unavailable
-        return unavailable | {i: (st, sz) for (i, _), st, sz in zip(items, status, stored)}
+        return unavailable | {i: (st, sz) for i, st, sz in zip(index, status, stored)}
 
     # ---- tombstones -------------------------------------------------------------------------
 

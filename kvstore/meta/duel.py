@@ -19,28 +19,11 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-SAMPLE = 64  # blocks a sampled eviction looks at (hyperbolic caching, Redis' LFU)
-AGE_FACTOR = 10  # counts halve every AGE_FACTOR x the cache size accesses (TinyLFU)
-HISTORY_FACTOR = AGE_FACTOR  # counts of blocks not stored, for HISTORY_FACTOR x the cache size
-# The duel weighs its evidence (shadow hits, calibration) with a half-life of WINDOW_FACTOR x a
-# shadow's size in sampled accesses: the span over which the frequency mode's state is built and
-# forgotten. A count halves every aging period, so the counts that set a hot prefix apart from a
-# one-time tail (up to 2**4) are made over four periods, and a switch into that mode pays off, or
-# not, over as long. One aging period is also too few requests to judge by: hits come in runs (a
-# request's leading hits, hundreds of blocks at once where requests are long), and at 10 x the
-# cache size a document-QA window held about 16 requests, so a few of them decided the mode.
-WINDOW_FACTOR = 4 * AGE_FACTOR
+from kvstore.meta.records import PolicyParams
+
 MAX_COUNT = 255
 RECENCY, FREQUENCY, SECOND_CHANCE = 0, 1, 2
 MODES = ("recency", "frequency", "second_chance")
-SHADOW_BLOCKS = 2048  # sampled blocks a shadow holds (set dueling: 32 sets of a few thousand lines)
-MIN_SHADOW = 64
-MARGIN = 0.05
-SIGNIFICANCE = 2.0  # standard deviations (the two-sided 95 % level)
-# A calibration ratio's prior, in shadow hits: the count at which a difference of MARGIN is
-# SIGNIFICANCE standard deviations of Poisson noise ((2 / 0.05) ** 2): evidence weaker than
-# what could justify a switch does not move the estimate much.
-PRIOR_HITS = (SIGNIFICANCE / MARGIN) ** 2
 
 
 def sampled(key: bytes, s: int) -> bool:
@@ -137,10 +120,11 @@ class ShadowSecondChance:
 
 class ShadowLfu:
     """Counted blocks with admission: the frequency mode in miniature (its own counts, aged every
-    AGE_FACTOR x its size, history HISTORY_FACTOR x its size)."""
+    ``age_factor`` x its size, history ``history_factor`` x its size)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, params: PolicyParams | None = None) -> None:
         self.capacity = capacity
+        self.params = params or PolicyParams()
         self.d: OrderedDict[bytes, None] = OrderedDict()  # recency order, tail first
         self.counts: dict[bytes, int] = {}
         self.history: OrderedDict[bytes, int] = OrderedDict()
@@ -173,7 +157,7 @@ class ShadowLfu:
             counts[k] = c
             self._vic = None
         self.n += len(keys)
-        if self.n >= AGE_FACTOR * self.capacity:
+        if self.n >= self.params.age_factor * self.capacity:
             self.n = 0
             for k in counts:
                 counts[k] >>= 1
@@ -182,21 +166,21 @@ class ShadowLfu:
         return hits
 
     def _victim(self) -> bytes:
-        """The first of the least counted among the SAMPLE least recent."""
+        """The first of the least counted among the ``sample`` least recent."""
         if self._vic is None:
-            self._vic = min((v for _, v in zip(range(SAMPLE), self.d)), key=self.counts.__getitem__)
+            self._vic = min((v for _, v in zip(range(self.params.sample), self.d)), key=self.counts.__getitem__)
         return self._vic
 
     def _remember(self, key: bytes, c: int) -> None:
         self.history[key] = c
-        while len(self.history) > HISTORY_FACTOR * self.capacity:
+        while len(self.history) > self.params.history_factor * self.capacity:
             self.history.popitem(last=False)
 
 
 class Duel:
-    """The mode choice. Shadows replay 1 in ``s`` keys (s = blocks indexed / SHADOW_BLOCKS,
+    """The mode choice. Shadows replay 1 in ``s`` keys (s = blocks indexed / ``shadow_blocks``,
     changed when that doubles or falls to a quarter, and the shadows start over), each sized to
-    what 1 in ``s`` of the index holds; their prefix hits decay with a half-life of WINDOW_FACTOR x
+    what 1 in ``s`` of the index holds; their prefix hits decay with a half-life of ``window_factor`` x
     a shadow's size in sampled accesses (four of the periods the policy's counts age over).
 
     The mode starts as recency (plain LRU). Until the index first needs room (the policy is
@@ -209,7 +193,8 @@ class Duel:
     recency and second chance past the noise of their paired difference, to and from
     frequency also past the margin, both ways (see :meth:`decide` and :meth:`choose`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, params: PolicyParams | None = None) -> None:
+        self.params = params or PolicyParams()
         self.mode = RECENCY
         # The recency family's member the policy uses when not in frequency mode (RECENCY or
         # SECOND_CHANCE; see decide()).
@@ -221,7 +206,8 @@ class Duel:
 
     def _reset(self, s: int) -> None:
         self.s = s
-        self.shadows = (ShadowLru(MIN_SHADOW), ShadowLfu(MIN_SHADOW), ShadowSecondChance(MIN_SHADOW))
+        low = self.params.min_shadow
+        self.shadows = (ShadowLru(low), ShadowLfu(low, self.params), ShadowSecondChance(low))
         self.hits = [0.0, 0.0, 0.0]  # per mode, the shadow's decayed prefix hits
         # Calibration, per mode, over the requests served in that mode: the index's own decayed
         # prefix hits on the sampled keys, and the mode's shadow's (see calibration()).
@@ -234,19 +220,19 @@ class Duel:
     def observe(self, keys: Sequence[bytes], indexed: int, held: int) -> None:
         """A request's keys, with ``indexed`` blocks in the index, which held the first ``held``."""
         self.keys_in[self.mode] += len(keys)
-        want = max(1, indexed // SHADOW_BLOCKS)
+        want = max(1, indexed // self.params.shadow_blocks)
         # Up when the index doubles, down when it is a quarter: an index whose size hovers at
         # a boundary does not start its shadows over at every request.
         if want >= 2 * self.s or 4 * want <= self.s:
             self._reset(want)
         s = self.s
-        size = max(MIN_SHADOW, indexed // s)
+        size = max(self.params.min_shadow, indexed // s)
         taken = [sampled(k, s) for k in keys]
         sample = [k for k, t in zip(keys, taken) if t]
         if not sample:
             return
         real = sum(taken[:held])  # the index's prefix hits on the sampled keys
-        decay = 0.5 ** (len(sample) / (WINDOW_FACTOR * size))
+        decay = 0.5 ** (len(sample) / (self.params.window_factor * size))
         hits, cal_real, cal_shadow = self.hits, self.real, self.shadowed
         got = [0, 0, 0]
         for i, shadow in enumerate(self.shadows):
@@ -264,17 +250,24 @@ class Duel:
     def decide(self) -> None:
         """Chooses the mode from the shadows' hits, calibrated (see :meth:`calibration`), in two
         steps. First the recency family's member: second chance or plain recency, whichever
-        shadow earns more by more than SIGNIFICANCE standard deviations of their paired
+        shadow earns more by more than ``significance`` standard deviations of their paired
         difference. The two see the same sampled requests and keep nearly the same blocks, so
         the noise of their difference is that of the requests where they differ (the decayed
         sum of squared per-request differences), far below the Poisson noise of either count,
         and the switch between them needs no margin: they differ only in the order in which
         blocks that were read again leave, so a switch throws away nothing the other would
-        have kept for long. Then frequency against that member, as :meth:`choose` says."""
+        have kept for long. Then frequency against that member, as :meth:`choose` says. A mode
+        fixed by the parameters (``fixed_mode``, for measurements) is kept whatever the shadows say."""
+        if self.params.fixed_mode:
+            fixed = MODES.index(self.params.fixed_mode)
+            if self.mode != fixed:
+                self.mode = fixed
+                self.switches += 1
+            return
         k = self.calibration()
         hits = self.hits
         rec, sc = k[RECENCY] * hits[RECENCY], k[SECOND_CHANCE] * hits[SECOND_CHANCE]
-        noise = SIGNIFICANCE * max(k[RECENCY], k[SECOND_CHANCE]) * math.sqrt(self.paired)
+        noise = self.params.significance * max(k[RECENCY], k[SECOND_CHANCE]) * math.sqrt(self.paired)
         if self.variant == RECENCY and sc - rec > noise:
             self.variant = SECOND_CHANCE
         elif self.variant == SECOND_CHANCE and rec - sc > noise:
@@ -299,15 +292,16 @@ class Duel:
         against recency, whose shadow replays it exactly; letting it raise the estimate made
         the mode flip more often on chat at 1k blocks, where frequency mode never pays).
 
-        Each ratio starts from a prior worth PRIOR_HITS shadow hits: 1 for recency's (its shadow
+        Each ratio starts from a prior worth ``prior_hits`` shadow hits: 1 for recency's (its shadow
         replays exactly what the index does in recency mode, less the sampling), recency's for
         the others (the same sampling). With no evidence of its own a mode keeps the prior,
         and as the evidence decays, when the index stays in another mode, the ratio drifts
         back to it: the mode gets tried again."""
-        k_rec = (self.real[RECENCY] + PRIOR_HITS) / (self.shadowed[RECENCY] + PRIOR_HITS)
+        prior = self.params.prior_hits
+        k_rec = (self.real[RECENCY] + prior) / (self.shadowed[RECENCY] + prior)
 
         def capped(m: int) -> float:
-            return min(k_rec, (self.real[m] + k_rec * PRIOR_HITS) / (self.shadowed[m] + PRIOR_HITS))
+            return min(k_rec, (self.real[m] + k_rec * prior) / (self.shadowed[m] + prior))
 
         return k_rec, capped(FREQUENCY), capped(SECOND_CHANCE)
 
@@ -315,8 +309,8 @@ class Duel:
         """Switches between the recency family (its member :attr:`variant`) and frequency mode
         only on evidence, given each side's calibrated shadow hits (``lru``, ``lfu``; see
         :meth:`decide`): into frequency mode (which declines blocks) when its shadow earns
-        MARGIN more than the family's, back when the family's earns MARGIN more than
-        frequency's, and either switch needs a difference above SIGNIFICANCE standard
+        ``margin`` more than the family's, back when the family's earns ``margin`` more than
+        frequency's, and either switch needs a difference above ``significance`` standard
         deviations of the counting noise (hit counts of sampled keys: about Poisson, so
         sqrt(lfu + lru) for their difference, or sqrt(``var``) for counts that were weighed).
         A difference the noise or the margin explains changes nothing: each switch costs the
@@ -324,12 +318,13 @@ class Duel:
         mode is what the rule for entering frequency mode says now: no hysteresis, and the
         family unless the evidence is there."""
         d = lfu - lru
-        noise = SIGNIFICANCE * math.sqrt(lfu + lru if var is None else var)
-        enter = d > noise and lfu > lru * (1 + MARGIN)
+        margin = self.params.margin
+        noise = self.params.significance * math.sqrt(lfu + lru if var is None else var)
+        enter = d > noise and lfu > lru * (1 + margin)
         if self.free or self.mode != FREQUENCY:
             freq = enter
         else:  # frequency mode stays unless the family clearly earns more
-            freq = not (-d > noise and lru > lfu * (1 + MARGIN))
+            freq = not (-d > noise and lru > lfu * (1 + margin))
         mode = FREQUENCY if freq else self.variant
         if mode != self.mode:
             self.mode = mode

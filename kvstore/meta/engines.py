@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument, ResourceExhausted
-from kvstore.meta.records import Tier
 
 
 @dataclass
@@ -173,23 +172,8 @@ class EngineTier:
 
 
 class DeviceTier:
-    """The index's side (a mixin of :class:`kvstore.meta.index.Index`): engines' reports, and
-    lookups that answer per tier."""
-
-    def tiers(self, packed_keys: bytes) -> tuple[bytes, dict[str, tuple[str, bytearray]]]:
-        """Where each key is, per tier, without side effects: one byte per key (bit 0: a ready
-        DRAM replica, bit 1: a ready SSD replica) and, per engine holding any of the keys in its
-        own cache (the device tier), its URL and one byte per key (1: held)."""
-        keys = self._keys(packed_keys)
-        out = bytearray(len(keys))
-        get = self.entries.get
-        for i, k in enumerate(keys):
-            e = get(k)
-            if e is not None and e.complete:
-                for r in e.replicas:
-                    if r.ready and r.segment.spec.tier in (Tier.DRAM, Tier.SSD):
-                        out[i] |= 1 << (r.segment.spec.tier - 1)
-        return bytes(out), self.engine_tier.held(keys)
+    """The index's side (a mixin of :class:`kvstore.meta.index.Index`): engines' reports (the
+    per-tier lookup that answers with them is :meth:`kvstore.meta.reads.Reads.tiers`)."""
 
     def report_engine(
         self,

@@ -2,8 +2,9 @@
 
 Pure state and policy: no I/O, no gRPC, time from an injected :class:`Clock`; the service
 (:mod:`kvstore.meta.service`) is a thin adapter over it. One event loop owns it, so no locks.
+Every public method validates its input first and changes nothing when it raises.
 
-Replica life cycle::
+Block life cycle::
 
     PutStart -> PENDING (extent reserved, invisible) --PutCommit--> COMPLETE (visible, evictable)
                    |                                                   |
@@ -12,53 +13,68 @@ Replica life cycle::
                    |   then freed (:mod:`.quarantine`)
                    +-- daemon lost --> forgotten with the daemon
 
-The module is split where its seams are: the records it is made of (:mod:`.records`), extent
-allocation (:mod:`.allocator`), daemon membership and tombstones (:mod:`.membership`), writes,
-placement and eviction (:mod:`.writes`), the cache policy (:mod:`.policy`), tier planning
-(:mod:`.tiers`) and the engines' device tier (:mod:`.engines`); this file holds the state, the
-reads, management, expiry and the integrity check.
+Columns, not objects. Every block is a row of fixed-width columns found through an
+open-addressing hash table keyed by its 128-bit key (:mod:`.table`): its primary replica
+(segment, extent, generation), payload length and checksum, recency stamp, lease count, flags
+and the cache policy's count; further replicas of the same block are rows of a small store
+beside it (:mod:`.copies`). About 100 bytes per block whatever the number of blocks, and batch
+operations (lookup, acquire, touch, commit) are vectorised over the batch: a lookup costs a
+handful of gathers, not a walk of Python objects. Locations come back as rows of the table;
+:meth:`Index.location_rows` packs them as the wire's location rows in one call,
+:meth:`Index.locations` spells them out (as the service does for its answers).
 
-Eviction is per segment, over ready replicas that are neither leased nor pinned (those are not in
-the segment's recency order at all, so they can never be picked), in the order the cache policy
-chooses. Every access touches a chain's keys from tail to head, so a chain's head is always more
-recent than its tail and the tail is dropped first: a block is worthless without its
-predecessors.
+The module is split where its seams are: the records it is made of (:mod:`.records`), the table
+(:mod:`.table`, its recency order :mod:`.recency`, further replicas :mod:`.copies`), extent
+allocation (:mod:`.allocator`), replica bookkeeping (:mod:`.replicas`), daemon membership and
+tombstones (:mod:`.membership`), inventories adopted in vectorised chunks (:mod:`.inventory`),
+reads and leases (:mod:`.reads`), writes, placement and eviction (:mod:`.writes`), the cache
+policy (:mod:`.policy`), tier moves (:mod:`.tiers`) and the engines' device tier
+(:mod:`.engines`); this file holds the state, management, expiry and the integrity check. :class:`IndexApi` (:mod:`.api`) is the interface the service, the daemon link, the
+benchmarks and the tests hold it by.
+
+Eviction is per segment, over committed blocks that are neither leased nor pinned, in the order
+the cache policy chooses. Every access touches a chain's keys from tail to head, so a chain's
+head is always more recent than its tail and the tail is dropped first: a block is worthless
+without its predecessors.
 
 Generations and tombstones. Every placement gets a generation (unique, from a nanosecond
 clock), which the daemon's sealed header of the block carries. A registration's inventory may
 name generations below :data:`~kvstore.meta.records.GEN_LIMIT` (2**63) only, so that the
 counter, which runs above every generation it has seen, always fits the wire's 64 bits
-(:data:`~kvstore.meta.records.GEN_MAX`); it raises rather than go past them. A committed block
+(:data:`~kvstore.meta.records.GEN_MAX`); it raises rather than go past them. A committed replica
 that leaves the index with its extent freed (removed, evicted, moved away, reported corrupt)
 leaves a tombstone (segment, key, offset, generation) for its daemon; the service delivers
 tombstones to the daemon before it acknowledges the call that made them (see
 :mod:`kvstore.meta.service`), so a restarted service, rebuilding from inventories, never sees a
 removed or evicted block again, and a late tombstone can never clear a newer block that reuses
-the extent (another generation). Pending replicas need none: a block becomes part of an
-inventory only when the daemon commits it.
+the extent (another generation). Pending blocks need none: a block becomes part of an inventory
+only when the daemon commits it.
 
 Tiers. A block has one or two replicas: DRAM, SSD, or both (an SSD copy promoted back to DRAM
 keeps its SSD copy, so dropping that DRAM copy later costs nothing). Where a daemon has an SSD
-segment, its DRAM is never simply dropped: a DRAM replica without an SSD copy leaves DRAM only
-by a *move* (demotion) planned here and carried out by the daemon, and the SSD replica is made
-ready before the DRAM one is freed. Puts go to DRAM, or straight to SSD when DRAM has no room
-that can be freed at once. SSD is the last tier: its LRU victims are dropped.
+segment, its DRAM is never simply dropped: a DRAM replica without an SSD copy leaves DRAM only by
+a *move* (demotion, :mod:`.tiers`) planned here and carried out by the daemon, and the SSD
+replica is made ready before the DRAM one is freed; a put short of DRAM there drops DRAM copies
+that have a clean SSD copy, else goes to SSD. SSD is the last tier: its victims are dropped (or,
+for a clean copy, just that copy).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import random
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from kvstore.errors import Internal, InvalidArgument
 from kvstore.meta.checks import Checks
 from kvstore.meta.engines import DeviceTier, EngineTier
-from kvstore.meta.membership import MAX_TOMBSTONES, Membership  # noqa: F401 - re-exported
-from kvstore.meta.policy import make_policy
+from kvstore.meta.membership import Membership
+from kvstore.meta.policy import POLICIES
 from kvstore.meta.quarantine import Quarantine
+from kvstore.meta.reads import Lease, Reads
 from kvstore.meta.records import (  # noqa: F401 - re-exported: the index API names them
     COUNTERS,
     GEN_LIMIT,
@@ -70,318 +86,200 @@ from kvstore.meta.records import (  # noqa: F401 - re-exported: the index API na
     CommitStatus,
     Daemon,
     DaemonSpec,
-    Entry,
     IndexLimits,
     InventoryItem,
-    Lease,
-    Move,
     PendingCommit,
-    Put,
+    PolicyParams,
     PutStartResult,
     PutStatus,
-    Replica,
     Segment,
     SegmentSpec,
     Tier,
     Tombstone,
     expired,
 )
-from kvstore.meta.tiers import TierMoves
-from kvstore.meta.writes import Writes
+from kvstore.meta.replicas import Location, Replicas
+from kvstore.meta.table import LIVE, PINNED, READY, WRITTEN, BlockTable, words
+from kvstore.meta.tiers import Move, TierMoves
+from kvstore.meta.writes import Put, Writes
+
+_ROWS = np.dtype([("ref", "<u4"), ("res", "<u4"), ("off", "<u8"), ("len", "<u8"), ("csum", "<u8"), ("gen", "<u8")])
+_NONE = np.empty(0, dtype=np.int64)
 
 
-class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
-    """The metadata service's state. Every public method validates its input first and changes
-    nothing when it raises."""
+class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
+    """The metadata service's state, in columns. See the module docstring."""
 
-    def __init__(self, limits: IndexLimits | None = None, clock: Clock | None = None) -> None:
+    def __init__(self, limits: IndexLimits | None = None, clock: Clock | None = None, rows: int = 1024) -> None:
         self.limits = limits or IndexLimits()
+        if self.limits.cache_policy not in POLICIES:
+            raise InvalidArgument(f"unknown cache policy {self.limits.cache_policy!r} (one of {', '.join(POLICIES)})")
         self.clock = clock or Clock()
-        self.entries: dict[bytes, Entry] = {}
-        self.policy = make_policy(self.limits.cache_policy, self.entries)
-        # Blocks held in engines' own caches (the device tier): known, not readable here.
+        self.table = BlockTable(rows, counts=self.limits.cache_policy == "adaptive")
+        self.policy = POLICIES[self.limits.cache_policy](self.table, self.limits.policy)
         self.engine_tier = EngineTier.for_limits(self.limits)
+        self.moves: dict[int, Move] = {}  # tier moves in flight (kvstore.meta.tiers)
+        # Rows read from SSD, to be promoted to DRAM in the background: row -> its generation
+        # then (a row dropped and reused since holds another generation).
+        self.promote_queue: dict[int, int] = {}
         self.daemons: dict[str, Daemon] = {}
+        self.segments: dict[int, Segment] = {}  # by ref; a lost daemon's stay while leases hold rows there
         self.puts: dict[int, Put] = {}
         self.leases: dict[int, Lease] = {}
-        self.moves: dict[int, Move] = {}
-        # Blocks read from SSD, to be promoted to DRAM in the background (insertion-ordered set).
-        self.promote_queue: dict[bytes, None] = {}
-        # Ids start at a random point so that ids from before a restart are never reused.
         base = random.getrandbits(62)
         self._put_ids = itertools.count(base)
         self._lease_ids = itertools.count(base)
         self._move_ids = itertools.count(base)
         self._segment_refs = itertools.count(1)
         self._last_gen = 0
-        # Tombstones per daemon id, not yet delivered; kept across the daemon's loss and
-        # re-registration (see :meth:`take_tombstones`).
         self.tombstones: dict[str, list[Tombstone]] = {}
         self._n_tombstones = 0
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        # (deadline, id) of puts and leases, so that expiry costs what expires (entries of
-        # puts and leases that ended earlier are skipped when they come up).
         self._put_deadlines: list[tuple[float, int]] = []
         self._lease_deadlines: list[tuple[float, int]] = []
         # Extents of puts that ended uncommitted, until their write tickets lapse.
         self._quarantine = Quarantine()
 
-    def _gens_left(self, n: int) -> None:
-        """Raises (having changed nothing) unless ``n`` more generations fit in 64 bits. Cannot
-        happen while registrations stay below GEN_LIMIT: 2**63 placements are left above them."""
-        if max(self._last_gen + 1, time.time_ns()) + n - 1 > GEN_MAX:
+    def _gens_left(self, n: int) -> int:
+        """The first of ``n`` fresh generations; raises (having changed nothing) unless they fit
+        in 64 bits. Cannot happen while registrations stay below GEN_LIMIT: 2**63 placements
+        are left above them."""
+        first = max(self._last_gen + 1, time.time_ns())
+        if first + n - 1 > GEN_MAX:
             raise Internal(f"generation counter exhausted: {n} more would pass 2**64 - 1 (last {self._last_gen})")
+        return first
 
-    def _next_gen(self) -> int:
-        """A fresh generation: unique in this index, above every generation it has seen, and
-        (from the wall clock in ns) above those of a service that ran before it; never past
-        GEN_MAX (raises :class:`~kvstore.errors.Internal`, having changed nothing)."""
-        self._gens_left(1)
-        self._last_gen = max(self._last_gen + 1, time.time_ns())
-        return self._last_gen
+    def _gens(self, n: int) -> np.ndarray:
+        first = self._gens_left(n)
+        self._last_gen = first + n - 1
+        return np.arange(first, first + n, dtype=np.uint64)
 
     def _current(self, seg: Segment) -> bool:
         """Whether ``seg`` is a segment of a daemon the index knows now (not of a lost one)."""
         return self.daemons.get(seg.daemon.spec.daemon_id) is seg.daemon
 
-    # ---- replica bookkeeping ----------------------------------------------------------------
+    def _find(self, packed: bytes, what: str = "keys") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The keys' words, their rows (-1: not stored) and whether each is committed."""
+        self._count_keys(packed, what)
+        q = words(packed)
+        return q, *self.table.find_ready(q)
 
-    def _add_replica(self, e: Entry, seg: Segment, offset: int, size: int, length: int, gen: int = 0) -> Replica:
-        rep = Replica(seg, offset, size, length, e, gen or self._next_gen())
-        e.replicas.append(rep)
-        seg.replicas.add(rep)
-        seg.blocks += 1
-        if e.pinned:
-            seg.pinned += 1
-        return rep
+    @staticmethod
+    def _run(ready: np.ndarray) -> int:
+        """The leading run of committed blocks."""
+        return len(ready) if ready.all() else int(np.argmin(ready))
 
-    def _make_ready(self, rep: Replica, csum: int) -> None:
-        rep.set_checksum(csum)
-        rep.ready = True
-        if rep.evictable():
-            rep.segment.lru[rep.entry.key] = rep
+    # ---- locations --------------------------------------------------------------------------
 
-    def _drop_replica(self, rep: Replica, free: bool = True, hold_until: float | None = None) -> None:
-        """Removes a replica from the index. Its extent is freed now, or when its last lease
-        ends, or (``hold_until``: a put's reservation whose write tickets are still good) at that
-        time on the index clock; ``free=False`` (daemon lost) forgets the space along with the
-        daemon. An entry left with no ready replica leaves the index. A freed replica that the
-        daemon may hold committed leaves a tombstone for it at once (also under a lease: a reader
-        that then finds it gone asks the index again, kvstore.client.reads; a tombstone held back
-        until the lease ends would be lost with a restart, and the block would come back)."""
-        if not rep.live:
+    def locations(self, rows: Iterable[int]) -> list[Location]:
+        t = self.table
+        return [
+            Location(
+                self.segments[int(t.seg[r])],
+                int(t.off[r]),
+                int(t.size[r]),
+                int(t.length[r]),
+                int(t.csum[r]),
+                int(t.gen[r]),
+                t.key(r),
+            )  # fmt: skip
+            for r in rows
+        ]
+
+    def location_rows(self, rows: np.ndarray) -> bytes:
+        """``rows`` as the wire's packed location rows (:data:`kvstore.meta.records.ROW`)."""
+        t = self.table
+        out = np.zeros(len(rows), dtype=_ROWS)
+        out["ref"], out["off"], out["len"] = t.seg[rows], t.off[rows], t.length[rows]
+        out["csum"], out["gen"] = t.csum[rows], t.gen[rows]
+        return out.tobytes()
+
+    # ---- dropping ---------------------------------------------------------------------------
+
+    def _drop(self, row: int, free: bool = True, hold_until: float | None = None) -> None:
+        """A block leaves the index; its extents are freed now or when its last lease ends, or
+        (``hold_until``: a put's reservation whose write tickets are still good) at that time
+        (``free=False``, its daemon was lost: the space goes with the daemon). Each replica its
+        daemon may hold committed leaves a tombstone."""
+        t = self.table
+        f = int(t.flags[row])
+        if not f & LIVE:
             return
-        e = rep.entry
-        seg = rep.segment
-        committed = rep.ready or rep.written
-        rep.live = False
-        rep.ready = False
-        seg.lru.pop(e.key, None)
-        seg.replicas.discard(rep)
+        seg = self.segments[int(t.seg[row])]
+        self.policy.leaving(row)  # before the table changes (kvstore.meta.policy: defer)
+        t.unlink(row)
+        t.flags[row] &= 0xFF ^ PINNED
         seg.blocks -= 1
-        if e.pinned:
+        if f & PINNED:
             seg.pinned -= 1
-        if rep in e.replicas:
-            e.replicas.remove(rep)
-        if free:
-            if committed:
-                self._tombstone(rep)
-            if rep.leases == 0:
-                if hold_until is None:
-                    seg.alloc.release(rep.offset, rep.size)
-                else:
-                    self._quarantine.hold(seg, rep.offset, rep.size, hold_until)
-        if e.complete and not any(r.ready for r in e.replicas):
-            for r in list(e.replicas):  # a pending move target of a vanished block
-                self._drop_replica(r, free)
-            e.complete = False
-            e.pinned = False
-            if self.entries.get(e.key) is e:
-                self.policy.removed(e)  # before the entries change (kvstore.meta.policy: defer)
-                del self.entries[e.key]
-        elif not e.complete and not e.replicas and self.entries.get(e.key) is e:
-            self.policy.removed(e)
-            del self.entries[e.key]
-
-    # ---- reads ------------------------------------------------------------------------------
-
-    def _run(self, keys: list[bytes]) -> list[Entry]:
-        run = []
-        get = self.entries.get
-        for k in keys:
-            e = get(k)
-            if e is None or not e.complete:
-                break
-            run.append(e)
-        return run
-
-    def lookup(
-        self, packed_keys: bytes, per_key: bool = False, with_locations: bool = False
-    ) -> tuple[int, list[bool], list[Replica]]:
-        """Leading hit count (and per-key existence, and the run's replicas). No side effects
-        on the index (counters aside)."""
-        keys = self._keys(packed_keys)
-        run = self._run(keys)
-        self.counters["lookups"] += 1
-        self.counters["lookup_keys"] += len(keys)
-        self.counters["lookup_hit_keys"] += len(run)
-        exists: list[bool] = []
-        if per_key:
-            get = self.entries.get
-            exists = [(e := get(k)) is not None and e.complete for k in keys]
-        return len(run), exists, [e.replica for e in run] if with_locations else []  # type: ignore[misc]
-
-    def acquire(self, packed_keys: bytes, ttl_s: float = 0.0) -> AcquireResult:
-        """Leases the leading run of available keys: none of their read replicas is evicted or
-        freed until the lease is released or expires. A run of 0 takes no lease (lease id 0).
-        Blocks served from SSD are queued for promotion to DRAM."""
-        keys = self._keys(packed_keys)
-        ttl = self._timeout(ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s, "lease ttl")
-        run = self._run(keys)
-        self.policy.access(keys, len(run))
-        self.counters["acquires"] += 1
-        self.counters["hit_keys"] += len(run)
-        self.counters["miss_keys"] += len(keys) - len(run)
-        if not run:
-            return AcquireResult(0, 0, [], ttl)
-        reps = []
-        nbytes = 0
-        for e in run:
-            rep = e.replica
-            assert rep is not None
-            if rep.leases == 0:
-                rep.segment.leased += 1
-                rep.segment.lru.pop(e.key, None)
-            rep.leases += 1
-            nbytes += rep.length
-            if rep.segment.spec.tier != Tier.DRAM:
-                self.counters["ssd_hit_keys"] += 1
-                self.promote_queue[e.key] = None
-            reps.append(rep)
-        self.counters["hit_bytes"] += nbytes
-        lease_id = next(self._lease_ids)
-        deadline = self.clock.now() + ttl
-        self.leases[lease_id] = Lease(lease_id, deadline, reps)
-        heapq.heappush(self._lease_deadlines, (deadline, lease_id))
-        return AcquireResult(len(run), lease_id, reps, ttl)
-
-    def touch(self, chains: list[bytes]) -> int:
-        """Reads that a client served itself from locations it held (no lease): each packed chain
-        counts for the cache policy as an :meth:`acquire` of it would (access counts, recency tail
-        first, SSD blocks queued for promotion). Returns how many of the keys are stored."""
-        total = 0
-        parsed = []
-        for i, packed in enumerate(chains):
-            keys = self._keys(packed, f"chains[{i}]")
-            total += len(keys)
-            if total > self.limits.max_batch_keys:
-                raise InvalidArgument(f"chains: over the limit of {self.limits.max_batch_keys} keys in one call")
-            parsed.append(keys)
-        stored = 0
-        for keys in parsed:
-            run = self._run(keys)
-            self.policy.access(keys, len(run))
-            for e in run:
-                rep = e.replica
-                if rep is not None and rep.segment.spec.tier != Tier.DRAM:
-                    self.promote_queue[e.key] = None
-            self._touch_chain(keys)
-            stored += len(run)
-            self.counters["touches"] += 1
-            self.counters["touched_keys"] += len(run)
-        return stored
-
-    def _unlease(self, rep: Replica) -> None:
-        rep.leases -= 1
-        if rep.leases:
-            return
-        rep.segment.leased -= 1
-        if not rep.live:
-            rep.segment.alloc.release(rep.offset, rep.size)
-            return
-        if rep.evictable():
-            rep.segment.lru[rep.entry.key] = rep
-
-    def release(self, lease_id: int, corrupt: Iterable[int] = ()) -> None:
-        """Ends a lease; replicas at the ``corrupt`` run indexes failed their checksum and are dropped."""
-        lease, bad = self._release_args(lease_id, corrupt, "replicas")
-        del self.leases[lease_id]
-        for i in bad:
-            rep = lease.replicas[i]
-            if rep.live:
-                self.counters["corrupt_reported"] += 1
-                self._drop_replica(rep)
-        # Tail first, so that the chain's head ends up most recently used.
-        for rep in reversed(lease.replicas):
-            self._unlease(rep)
+        if free and f & (READY | WRITTEN):
+            self._tombstone_item(
+                seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, t.key(row), int(t.off[row]), int(t.gen[row]))
+            )
+        for i in t.copies.of(row):
+            cs = self.segments[int(t.copies.seg[i])]
+            cs.blocks -= 1
+            if f & PINNED:
+                cs.pinned -= 1
+            if free:
+                self._tombstone_item(
+                    cs.daemon.spec.daemon_id,
+                    Tombstone(cs.spec.segment_id, t.key(row), int(t.copies.off[i]), int(t.copies.gen[i])),
+                )
+        if not free:  # their daemon is lost: the copies' space goes with it
+            for i in t.copies.of(row):
+                t.copies.remove(i)
+        if t.leases[row] == 0:
+            if free and hold_until is None:
+                seg.alloc.release(int(t.off[row]), int(t.size[row]))
+            elif free:
+                self._quarantine.hold(seg, int(t.off[row]), int(t.size[row]), hold_until)
+            self._free_row(row)
 
     # ---- management -------------------------------------------------------------------------
 
     def remove(self, packed_keys: bytes) -> int:
-        keys = self._keys(packed_keys)
+        rows = self._find(packed_keys)[1].tolist()
         n = 0
-        for k in keys:
-            e = self.entries.get(k)
-            if e is not None and e.complete:
-                for r in list(e.replicas):
-                    self._drop_replica(r)
+        for row in rows:
+            if row >= 0 and self.table.flags[row] & READY:
+                self._drop(row)
                 n += 1
         self.counters["removed"] += n
         return n
 
     def pin(self, packed_keys: bytes, pinned: bool = True) -> int:
-        keys = self._keys(packed_keys)
+        t = self.table
         n = 0
-        for k in keys:
-            e = self.entries.get(k)
-            if e is None or not e.complete or e.pinned == pinned:
+        for row in self._find(packed_keys)[1].tolist():
+            if row < 0 or not t.flags[row] & READY or bool(t.flags[row] & PINNED) == pinned:
                 continue
-            e.pinned = pinned
-            for rep in e.replicas:
-                if pinned:
-                    rep.segment.pinned += 1
-                    rep.segment.lru.pop(k, None)
-                else:
-                    rep.segment.pinned -= 1
-                    if rep.evictable():
-                        rep.segment.lru[k] = rep
+            step = 1 if pinned else -1
+            for ref in [int(t.seg[row])] + [int(t.copies.seg[i]) for i in t.copies.of(row)]:
+                self.segments[ref].pinned += step
+            if pinned:
+                t.flags[row] |= PINNED
+            else:
+                t.flags[row] &= 0xFF ^ PINNED
+                if t.is_evictable(row):
+                    t.stamp_one(row)
             n += 1
         return n
 
     def pin_candidates(self, packed_keys: bytes) -> dict[bytes, int]:
         """The committed, unpinned blocks among ``packed_keys`` and their payload bytes: what
         pinning them would add (tenant quotas)."""
+        t = self.table
+        rows = self._find(packed_keys)[1]
         out: dict[bytes, int] = {}
-        for k in self._keys(packed_keys):
-            e = self.entries.get(k)
-            if e is not None and e.complete and not e.pinned and e.replica is not None:
-                out[k] = e.replica.length
+        for row in rows[rows >= 0].tolist():
+            if t.flags[row] & READY and not t.flags[row] & PINNED:
+                out[t.key(row)] = int(t.length[row])
         return out
 
     def is_pinned(self, key: bytes) -> bool:
-        e = self.entries.get(key)
-        return e is not None and e.pinned
-
-    def locations(self, replicas: list[Replica]) -> list[Replica]:
-        """The locations an answer names, spelled out: the object index's are its replicas
-        (the compact index answers with rows of its table and spells them out here)."""
-        return replicas
-
-    def __len__(self) -> int:
-        """Blocks in the index (committed or being written)."""
-        return len(self.entries)
-
-    def _touch_chain(self, keys: list[bytes]) -> None:
-        for k in reversed(keys):
-            e = self.entries.get(k)
-            if e is None or not e.complete:
-                continue
-            for rep in e.replicas:
-                lru = rep.segment.lru
-                if k in lru:
-                    lru.move_to_end(k)
-                elif rep.evictable():
-                    lru[k] = rep
+        row = int(self.table.find(words(key))[0])
+        return row >= 0 and bool(self.table.flags[row] & PINNED)
 
     # ---- time -------------------------------------------------------------------------------
 
@@ -408,63 +306,62 @@ class Index(Checks, Membership, Writes, TierMoves, DeviceTier):
 
     # ---- introspection ----------------------------------------------------------------------
 
+    def __len__(self) -> int:
+        """Blocks in the index (committed or being written)."""
+        return self.table.live
+
     def check_integrity(self) -> None:
-        """Asserts the accounting: every live replica is in exactly one place, every segment's
-        used bytes equal its replicas' extents (plus freed-but-leased ones and those held back
-        in quarantine), these extents and the free ranges never overlap, LRU holds exactly the
-        evictable replicas, a complete entry has a ready replica."""
-        self.engine_tier.check_integrity()
+        """Asserts the accounting: the table, the policy, and per segment its allocator, block,
+        pin and lease counts against the rows, copies, quarantined extents and move targets."""
+        t = self.table
+        t.check_integrity()
         self.policy.check_integrity()
-        per_seg: dict[int, int] = {}
-        blocks: dict[int, int] = {}
-        pinned: dict[int, int] = {}
-        for key, e in self.entries.items():
-            assert e.key == key
-            assert e.replicas, f"entry {key.hex()} has no replica"
-            if e.complete:
-                assert any(r.ready for r in e.replicas), f"complete entry {key.hex()} has no ready replica"
-            tiers = [r.segment.spec.tier for r in e.replicas]
-            assert len(tiers) == len(set(tiers)), f"entry {key.hex()} has two replicas on one tier"
-            for rep in e.replicas:
-                assert rep.live and rep.entry is e
-                seg = rep.segment
-                assert seg.daemon.spec.daemon_id in self.daemons
-                per_seg[id(seg)] = per_seg.get(id(seg), 0) + rep.size
-                blocks[id(seg)] = blocks.get(id(seg), 0) + 1
-                if e.pinned:
-                    pinned[id(seg)] = pinned.get(id(seg), 0) + 1
-                in_lru = seg.lru.get(key) is rep
-                assert in_lru == rep.evictable(), f"entry {key.hex()}: in LRU {in_lru}, evictable {rep.evictable()}"
-        # Dropped replicas still held keep their extent until released (count once): by a read
-        # lease, or as the source of a tier move in flight.
-        held = [r for lease in self.leases.values() for r in lease.replicas]
-        held += [mv.src for mv in self.moves.values()]
-        held_extents = {id(r): r for r in held if not r.live}
+        n = t.n_rows
+        live = (t.flags[:n] & LIVE) != 0
+        held = (~live) & (t.leases[:n] > 0)
         quarantined: dict[int, list[tuple[int, int]]] = {}
         for seg, offset, size in self._quarantine.extents(self._current):
-            quarantined.setdefault(id(seg), []).append((offset, size))
-        for d in self.daemons.values():
-            for seg in d.segments.values():
+            quarantined.setdefault(seg.ref, []).append((offset, size))
+        targets: dict[int, list[tuple[int, int]]] = {}
+        for seg, offset, size in self._move_extents():
+            targets.setdefault(seg.ref, []).append((offset, size))
+        c = t.copies
+        crow = c.row[: c.used]
+        cok = crow >= 0
+        for ref, seg in self.segments.items():
+            on = t.seg[:n] == ref
+            con = cok & (c.seg[: c.used] == ref)  # copies there (their rows are live or leased)
+            cro = crow[con]
+            if self._current(seg):
                 seg.alloc.check_integrity()
-                for key, rep in seg.lru.items():
-                    assert rep.live and rep.segment is seg and rep.entry.key == key
-                extra = sum(r.size for r in held_extents.values() if r.segment is seg)
-                q = quarantined.get(id(seg), [])
-                assert seg.quarantined == sum(size for _, size in q), (
-                    f"segment {d.spec.daemon_id}/{seg.spec.segment_id}: quarantined {seg.quarantined} "
-                    f"!= its held extents {sum(size for _, size in q)}"
+                q = quarantined.get(ref, [])
+                assert seg.quarantined == sum(size for _, size in q), f"segment {ref}: quarantined {seg.quarantined}"
+                used = int(t.size[:n][on & (live | held)].sum(dtype=np.uint64))
+                used += int(c.size[: c.used][con].sum(dtype=np.uint64))
+                moving = sum(size for _, size in targets.get(ref, []))
+                assert seg.alloc.used == used + seg.quarantined + moving, (
+                    f"segment {ref}: allocator used {seg.alloc.used} != blocks {used} + quarantined "
+                    f"{seg.quarantined} + move targets {moving}"
                 )
-                assert seg.alloc.used == per_seg.get(id(seg), 0) + extra + seg.quarantined, (
-                    f"segment {d.spec.daemon_id}/{seg.spec.segment_id}: allocator used {seg.alloc.used} "
-                    f"!= replicas {per_seg.get(id(seg), 0)} + released-but-leased {extra} "
-                    f"+ quarantined {seg.quarantined}"
+                mine = np.flatnonzero(on & (live | held))
+                seg.alloc.check_disjoint(
+                    list(zip(t.off[mine].tolist(), t.size[mine].tolist()))
+                    + list(zip(c.off[: c.used][con].tolist(), c.size[: c.used][con].tolist()))
+                    + q
+                    + targets.get(ref, [])
                 )
-                used = [(r.offset, r.size) for r in seg.replicas]
-                used += [(r.offset, r.size) for r in held_extents.values() if r.segment is seg]
-                seg.alloc.check_disjoint(used + q)
-                assert seg.blocks == blocks.get(id(seg), 0), (
-                    f"segment block count {seg.blocks} != {blocks.get(id(seg), 0)}"
-                )
-                assert seg.pinned == pinned.get(id(seg), 0), f"segment pinned {seg.pinned} != {pinned.get(id(seg), 0)}"
-                assert len(seg.replicas) == seg.blocks, f"segment replica set {len(seg.replicas)} != {seg.blocks}"
-                assert all(r.live and r.segment is seg and r in r.entry.replicas for r in seg.replicas)
+            copies_live = int(live[cro].sum()) if len(cro) else 0
+            assert seg.blocks == int((on & live).sum()) + copies_live, f"segment {ref}: block count {seg.blocks}"
+            pinned = (t.flags[:n] & PINNED) != 0
+            copies_pinned = int((live[cro] & pinned[cro]).sum()) if len(cro) else 0
+            assert seg.pinned == int((on & live & pinned).sum()) + copies_pinned, f"segment {ref}: pinned"
+            assert seg.leased == int((on & (t.leases[:n] > 0)).sum()), f"segment {ref}: leased {seg.leased}"
+        # A copy is of a committed block, in a lower tier of the same daemon.
+        for row in np.unique(crow[cok]).tolist():
+            if not t.flags[row] & LIVE:
+                continue  # dropped while leased: its copies' extents go when the last lease ends
+            assert t.flags[row] & READY, f"row {row} has a copy but is not committed"
+            top = self.segments[int(t.seg[row])]
+            for i in c.of(row):
+                low = self.segments[int(c.seg[i])]
+                assert low.daemon is top.daemon and low.spec.tier > top.spec.tier, f"copy {i} of row {row}"

@@ -1,28 +1,46 @@
 """Daemon membership in the index: registration with inventory adoption, heartbeats, loss and
 drain, and the tombstones owed to each daemon. Part of :class:`kvstore.meta.index.Index` (a mixin
-over its state: ``daemons``, ``entries``, ``tombstones``, ``moves``, ``leases``, ``counters``).
+over its state: ``table``, ``segments``, ``daemons``, ``tombstones``, ``moves``, ``leases``,
+``counters``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from kvstore.cluster.slots import arena
-from kvstore.extent import extent_size
-from kvstore.keys import KEY_BYTES
 from kvstore.meta.allocator import Allocator
+from kvstore.meta.inventory import Adoption, columns, dead_rows, extent_sizes
 from kvstore.meta.records import (
     SEGMENT_ALIGN,
     Daemon,
     DaemonSpec,
-    Entry,
     InventoryItem,
-    Lease,
-    Replica,
     Segment,
     SegmentSpec,
     Tombstone,
 )
+from kvstore.meta.table import LIVE, PINNED
+
+if TYPE_CHECKING:
+    from kvstore.meta.reads import Lease
+
+# Inventory items adopted per step of a registration (a few tens of milliseconds of the loop).
+ADOPT_CHUNK = 65_536
+
+
+class SegmentPlan(NamedTuple):
+    """One segment of a registration, planned (:meth:`DaemonLife.plan_registration`)."""
+
+    spec: SegmentSpec
+    items: np.ndarray  # the inventory's columns (kvstore.meta.inventory.INVENTORY), oldest first
+    sizes: np.ndarray  # each item's extent bytes
+    alloc: Allocator  # the segment's allocator, the accepted extents reserved
+    accepted: np.ndarray  # per item, whether its extent was
+
 
 # Tombstones kept for daemons that could not take them yet (unreachable or gone); past this the
 # oldest are dropped (a warning is counted), so a daemon that never returns cannot grow memory.
@@ -31,7 +49,7 @@ MAX_TOMBSTONES = 1 << 20
 
 class Tombstones:
     """What daemons must forget, kept per daemon until delivered (a mixin over ``tombstones``,
-    ``_n_tombstones``, ``daemons`` and ``counters``; shared with the compact index)."""
+    ``_n_tombstones``, ``daemons`` and ``counters``)."""
 
     def _tombstone_item(self, daemon_id: str, t: Tombstone) -> None:
         self.tombstones.setdefault(daemon_id, []).append(t)
@@ -61,10 +79,10 @@ class Tombstones:
 
 
 class DaemonLife(Tombstones):
-    """A daemon's life in an index, as both indexes keep it: registration driven in one go,
-    heartbeats, drain, stalls of the service itself (a mixin over ``daemons``, ``leases``,
-    ``engine_tier``, ``clock``, ``limits`` and ``counters``, and each index's ``_adopt``,
-    ``_drop_daemon`` and ``_leased_on``)."""
+    """A daemon's life in the index: registration driven in one go, heartbeats, drain, stalls
+    of the service itself (a mixin over ``daemons``, ``leases``, ``engine_tier``, ``clock``,
+    ``limits`` and ``counters``, and :class:`Membership`'s ``_adopt``, ``_drop_daemon`` and
+    ``_leased_on``)."""
 
     def register_daemon(self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem]]) -> int:
         """(Re)registers a daemon and adopts its inventory as ready replicas, in one go.
@@ -82,17 +100,47 @@ class DaemonLife(Tombstones):
             except StopIteration as done:
                 return done.value
 
+    def plan_registration(
+        self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem] | np.ndarray]
+    ) -> list[SegmentPlan]:
+        """What a registration reserves, per segment (DRAM first, so that a block's DRAM replica
+        is its primary): the inventory's columns, each item's extent size, the segment's
+        allocator with the inventory's extents reserved, and which extents it accepted. Reads no
+        index state (the limits only), so a caller may make it on a thread; raises on bad input
+        (:class:`~kvstore.errors.InvalidArgument`), having changed nothing."""
+        cols = {sid: columns(items, sid) for sid, items in inventory.items()}
+        self._daemon_args(spec, cols)
+        plans = []
+        for sspec in sorted(spec.segments, key=lambda s: int(s.tier)):
+            align = SEGMENT_ALIGN[sspec.tier]
+            a = cols.get(sspec.segment_id, columns([]))
+            sizes = extent_sizes(a, align)
+            base, span = arena(sspec.capacity, align, self.limits.shard, self.limits.shards)
+            # Offsets and sizes past 2**63 wrap negative here: out of range, refused.
+            # (A malformed item reserves nothing: its size is 0 here.)
+            ext = np.stack((a["offset"].view(np.int64), np.where(a["ok"] != 0, sizes, 0).view(np.int64)), axis=1)
+            alloc, accepted = Allocator.with_used(span, ext, align, base)
+            plans.append(SegmentPlan(sspec, a, sizes, alloc, accepted))
+        return plans
+
     def register_daemon_steps(
-        self, spec: DaemonSpec, inventory: dict[int, list[InventoryItem]], chunk: int = 20_000
+        self,
+        spec: DaemonSpec,
+        inventory: dict[int, list[InventoryItem] | np.ndarray],
+        chunk: int = ADOPT_CHUNK,
+        plan: list[SegmentPlan] | None = None,
     ) -> Generator[None, None, int]:
         """:meth:`register_daemon` in steps of ``chunk`` inventory items (0: one step), so that
         a caller can serve other requests between them (a big inventory takes seconds). The
         daemon is known from the first step, with every extent of its inventory reserved, but
         takes no puts or moves until the last; its lease is renewed at every step. A second
         registration of the same daemon meanwhile supersedes this one (which then stops).
-        Bad input raises at the first step, having changed nothing. Each index adopts an item
-        its own way (``_adopt``), oldest first: recency order."""
-        self._daemon_args(spec, inventory)
+        Bad input raises at the first step, having changed nothing. Items are adopted in
+        vectorised chunks (:mod:`kvstore.meta.inventory`), each segment's in its order (oldest
+        first: recency order); ``inventory`` maps a segment id to its items or to their columns
+        (:data:`~kvstore.meta.inventory.INVENTORY`). ``plan``: :meth:`plan_registration`'s, made
+        beforehand (on a thread) for this ``spec`` and ``inventory``."""
+        plans = plan if plan is not None else self.plan_registration(spec, inventory)
         if spec.daemon_id in self.daemons:
             self._drop_daemon(spec.daemon_id)
         now = self.clock.now()
@@ -101,41 +149,23 @@ class DaemonLife(Tombstones):
         rejected = 0
         # Blocks dropped while the daemon could not be told stay dropped (their tombstones
         # are still pending, and go out with its next heartbeat).
-        dead = {(t.segment_id, t.key, t.offset, t.gen) for t in self.tombstones.get(spec.daemon_id, ())}
-        # Every segment with its inventory's extents reserved first; DRAM first, so that an
-        # entry's DRAM replica is its first.
-        plan = []
-        for sspec in sorted(spec.segments, key=lambda s: int(s.tier)):
-            align = SEGMENT_ALIGN[sspec.tier]
-            items = inventory.get(sspec.segment_id, [])
-            sizes = [it.size or extent_size(it.length, align) for it in items]
-            base, span = arena(sspec.capacity, align, self.limits.shard, self.limits.shards)
-            alloc, accepted = Allocator.with_used(span, [(it.offset, sz) for it, sz in zip(items, sizes)], align, base)
-            seg = self._new_segment(daemon, sspec, alloc)
-            daemon.segments[sspec.segment_id] = seg
-            plan.append((sspec, seg, alloc, items, sizes, accepted))
-        done = 0
-        for sspec, seg, alloc, items, sizes, accepted in plan:
-            for it, size, ok in zip(items, sizes, accepted):
-                done += 1
-                if chunk and done % chunk == 0:
+        owed = self.tombstones.get(spec.daemon_id, ())
+        segs = []
+        for p in plans:
+            seg = self._new_segment(daemon, p.spec, p.alloc)
+            daemon.segments[p.spec.segment_id] = seg
+            segs.append((seg, dead_rows(owed, p.spec.segment_id)))
+        self.table.reserve(sum(int(p.accepted.sum()) for p in plans))
+        for p, (seg, dead) in zip(plans, segs):
+            a, step = p.items, chunk or max(1, len(p.items))
+            for lo in range(0, len(a), step):
+                if lo:
                     yield
                     if self.daemons.get(spec.daemon_id) is not daemon:
                         return rejected  # superseded, or dropped meanwhile
                     daemon.deadline = self.clock.now() + self.limits.daemon_ttl_s
-                self._last_gen = max(self._last_gen, it.gen)
-                # A 16-byte key and values that fit the location row's 64-bit fields.
-                good = len(it.key) == KEY_BYTES and all(0 <= v < 1 << 64 for v in (it.length, it.checksum, it.gen))
-                tomb = (sspec.segment_id, it.key, it.offset, it.gen) in dead
-                if not ok or not good or tomb or not it.gen or not self._adopt(daemon, seg, it, size):
-                    if ok:
-                        alloc.release(it.offset, size)
-                    rejected += 1
-                    if ok and good and it.gen and not tomb:
-                        # Refused though its extent is its own (a clash with what the index
-                        # holds): the daemon must drop it too, or a reader that remembers its
-                        # location would still find it there (kvstore.client.locations).
-                        self._tombstone_item(spec.daemon_id, Tombstone(sspec.segment_id, it.key, it.offset, it.gen))
+                hi = lo + step
+                rejected += self._adopt_chunk(daemon, seg, a[lo:hi], p.sizes[lo:hi], p.accepted[lo:hi], dead)
         daemon.adopting = False
         return rejected
 
@@ -187,51 +217,58 @@ class DaemonLife(Tombstones):
         self.counters["stall_grace"] += 1
 
 
-class Membership(DaemonLife):
-    """Daemons joining, living, leaving; what they must forget."""
+class Membership(Adoption, DaemonLife):
+    """Daemons joining and being lost, over the block table."""
 
-    def _tombstone(self, rep: Replica) -> None:
-        seg = rep.segment
-        self._tombstone_item(
-            seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, rep.entry.key, rep.offset, rep.gen)
-        )
-
-    # ---- daemons ----------------------------------------------------------------------------
-
-    def _adopt(self, daemon: Daemon, seg: Segment, it: InventoryItem, size: int) -> bool:
-        """Adopts one inventory item as a ready replica; False (nothing changed) if it clashes
-        with what the index holds: a block being written, one on this tier already, on another
-        daemon, or of another length."""
-        e = self.entries.get(it.key)
-        if e is not None and (
-            not e.complete
-            or e.on(seg.spec.tier) is not None
-            or any(r.segment.daemon is not daemon for r in e.replicas)
-            or e.replica.length != it.length  # type: ignore[union-attr]
-        ):
-            return False
-        if e is None:
-            e = Entry(it.key, 0)
-            self.policy.created(e)  # before the entries change (policy: defer)
-            self.entries[it.key] = e
-        rep = self._add_replica(e, seg, it.offset, size, it.length, it.gen)
-        e.complete = True
-        self._make_ready(rep, it.checksum)
-        return True
+    def _new_segment(self, daemon: Daemon, sspec: SegmentSpec, alloc: Allocator) -> Segment:
+        seg = super()._new_segment(daemon, sspec, alloc)
+        self.segments[seg.ref] = seg
+        return seg
 
     def _drop_daemon(self, daemon_id: str) -> None:
-        """Forgets a daemon and its replicas (ready and reserved: puts in flight on it commit
-        nothing there; entries keep their position in put.entries) and the extents held back
-        there (:mod:`kvstore.meta.quarantine`). Costs the daemon's own blocks, not the index's."""
+        """Forgets a daemon and its blocks (committed and reserved) and the extents held back
+        there; a segment whose blocks are still leased stays known until the last lease ends.
+        Vectorised over each segment's rows (the space goes with the daemon: nothing to free or
+        tombstone)."""
+        self._fail_moves(daemon_id)
         d = self.daemons.pop(daemon_id)
-        for mid in [m for m, mv in self.moves.items() if mv.src.segment.daemon is d]:
-            self.finish_move(mid, False)
+        t = self.table
         for seg in d.segments.values():
-            # In extent order (a set has none of its own): the cache policy's history takes
-            # their counts in that order, on both indexes.
-            for r in sorted(seg.replicas, key=lambda r: r.offset):
-                self._drop_replica(r, free=False)
+            n = t.n_rows
+            mine = np.flatnonzero(((t.flags[:n] & LIVE) != 0) & (t.seg[:n] == seg.ref))
+            # In extent order: the cache policy's history takes their counts in that order.
+            self._drop_lost(mine[np.argsort(t.off[mine], kind="stable")], seg)
             seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
+            t.forget_segment(seg.ref)
+            if not seg.leased:
+                self.segments.pop(seg.ref, None)
+
+    def _drop_lost(self, rows: np.ndarray, seg: Segment) -> None:
+        """``rows`` (live, their primary replica on ``seg``) leave with their lost daemon, as
+        ``_drop(row, free=False)`` does for each: out of the table at once, their copies (on the
+        same daemon) forgotten, each row freed now or when its last lease ends."""
+        if not len(rows):
+            return
+        t = self.table
+        self.policy.leaving_many(rows)
+        pinned = (t.flags[rows] & PINNED) != 0
+        t.unlink_many(rows)
+        t.flags[rows] &= 0xFF ^ PINNED
+        seg.blocks -= len(rows)
+        seg.pinned -= int(pinned.sum())
+        c = t.copies
+        for r, p in zip(rows[t.copy[rows] != 0].tolist(), pinned[t.copy[rows] != 0].tolist()):
+            for i in c.of(r):
+                cs = self.segments.get(int(c.seg[i]))
+                if cs is not None:
+                    cs.blocks -= 1
+                    cs.pinned -= int(p)
+                c.remove(i)
+        t.free_many(rows[t.leases[rows] == 0])
 
     def _leased_on(self, lease: Lease, daemon_id: str) -> bool:
-        return any(r.segment.daemon.spec.daemon_id == daemon_id for r in lease.replicas)
+        return any(
+            self.segments[ref].daemon.spec.daemon_id == daemon_id
+            for ref in np.unique(self.table.seg[lease.rows]).tolist()
+            if ref in self.segments
+        )

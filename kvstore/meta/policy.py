@@ -1,5 +1,8 @@
 """The index's cache policy: which block leaves a full segment, in what order DRAM is demoted
-to SSD, and whether a new block is worth storing at all (admission).
+to SSD, and whether a new block is worth storing at all (admission). Its state is columns of
+the block table (:mod:`kvstore.meta.table`): a block's access count (``freq``) and second
+chance's mark (``again``); its parameters are one :class:`~kvstore.meta.records.PolicyParams`
+handed to the index (``IndexLimits.policy``).
 
 Two policies, chosen by ``meta.cache_policy``:
 
@@ -16,22 +19,22 @@ Two policies, chosen by ``meta.cache_policy``:
     order; the lazy promotion of Yang et al., HotOS 2023). Blocks a conversation came back to
     outlast one-time tails by up to one more pass through the cache, and every block is still
     stored;
-  * *frequency mode*: the victim is the least-counted of the ``SAMPLE`` least recent evictable
+  * *frequency mode*: the victim is the least-counted of the ``sample`` least recent evictable
     blocks (sampled LFU, as Redis' LFU and hyperbolic caching evict), and a new block is stored
     only if its count is above that victim's (TinyLFU-style admission): a request's one-time
     tail cannot flush a prefix that many requests share.
 
   Counts are kept for stored blocks and, in a bounded FIFO history, for blocks seen but not
-  stored (``HISTORY_FACTOR`` x the blocks indexed), so that a block seen again soon earns its
-  place. They halve every ``AGE_FACTOR`` x the blocks indexed accesses (TinyLFU's reset period
+  stored (``history_factor`` x the blocks indexed), so that a block seen again soon earns its
+  place. They halve every ``age_factor`` x the blocks indexed accesses (TinyLFU's reset period
   of 10 x the cache size), lazily, by an epoch stamp, so aging costs nothing up front.
 
   The mode is chosen by dueling shadow caches (:mod:`kvstore.meta.duel`): each mode in
-  miniature replays a hash-sampled part of the keys (about ``SHADOW_BLOCKS`` blocks' worth).
+  miniature replays a hash-sampled part of the keys (about ``shadow_blocks`` blocks' worth).
   Between recency and second chance, which keep nearly the same blocks, the policy takes the
   one whose shadow earns more by more than the noise of their paired difference. Against
-  frequency it moves to the mode whose shadow earns clearly more prefix hits: ``MARGIN`` more,
-  and a difference above ``SIGNIFICANCE`` standard deviations of the sampling noise (the
+  frequency it moves to the mode whose shadow earns clearly more prefix hits: ``margin`` more,
+  and a difference above ``significance`` standard deviations of the sampling noise (the
   conventional two-sided 95 % level), the same hysteresis both ways, so that noise does not
   flip the mode back and forth (every switch costs the blocks the other mode would have kept).
   Each shadow's hits are weighed by what the index itself earned per shadow hit while in that
@@ -49,227 +52,295 @@ it reads them), so the frequency mode also takes a chain's tail before its head;
 block and its ancestors together, so second chance passes a chain over tail first too.
 Admission goes in chain order too: once a block of a put is declined, the rest of that put is.
 
-Costs: O(1) per touched block (dictionary operations and counter arithmetic), O(``SAMPLE``) per
+The index calls :meth:`Lru.victim` for the row to evict, :meth:`Lru.admits` before the first
+eviction a put's block would cause, :meth:`Lru.entering` / :meth:`Lru.leaving` as a block enters
+or leaves the table, :meth:`Lru.access` for every read, and :meth:`Lru.demotion_order` to plan
+demotions.
+
+Costs: O(1) per touched block (vectorised column updates and counter arithmetic), O(``sample``) per
 eviction in frequency mode, O(1) per block read, amortized, for second chance's passes (each
 spends a mark a read set). Parameters come from the papers named above, not from fitting a
 workload: 10 % / 10 x periods (TinyLFU), 64 samples (hyperbolic caching), shadow caches of a few
 hundred blocks (set dueling uses 32 sets of a few thousand lines), switches at the 95 %
 significance level, and the duel's evidence weighed over four aging periods (the span the
-frequency mode's counts are built over; :data:`kvstore.meta.duel.WINDOW_FACTOR`).
+frequency mode's counts are built over; ``window_factor``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+
+import numpy as np
 
 from kvstore.meta.counts import EPOCH_SHIFT, AdaptiveCounts, aged, until
-from kvstore.meta.duel import MAX_COUNT, SAMPLE
+from kvstore.meta.duel import MAX_COUNT
+from kvstore.meta.records import PolicyParams
+from kvstore.meta.table import LIVE, BlockTable, words
 
-if TYPE_CHECKING:
-    from kvstore.meta.records import Entry, Replica
-
-POLICIES = ("adaptive", "lru")
-
-
-def _stored(e: Entry, epoch: int) -> int:
-    """A stored block's count: aged, but never below 1 (it was read or written once)."""
-    return max(1, aged(e.freq, epoch))
+_SHIFT = np.uint64(EPOCH_SHIFT)
+# Least recent rows looked at for a clean drop (a block with a copy elsewhere) in the DRAM of a
+# daemon with an SSD: a bound on the search; past it, nothing qualifies.
+CLEAN_SCAN = 512
+_LOW = np.uint64(MAX_COUNT)
 
 
-class LruPolicy:
-    """``lru``: recency only, every block admitted."""
+class Lru:
+    """``lru``: recency is the table's stamps, kept as the calls come; nothing to defer."""
 
     name = "lru"
 
-    def __init__(self, entries: dict[bytes, Entry]) -> None:
-        self.entries = entries
-        self.defer = False  # nothing to defer here (AdaptivePolicy)
-
-    @property
-    def frequency_mode(self) -> bool:
-        return False
-
-    def access(self, keys: Sequence[bytes], hits: int) -> None:
-        """A read of ``keys`` (a request's chain, hits and misses), of which the index held the
-        first ``hits``."""
+    def __init__(self, table: BlockTable, params: PolicyParams | None = None) -> None:
+        self.table = table
+        self.params = params or PolicyParams()
+        self.defer = False
 
     def drain(self) -> None:
-        """Accounts accesses queued by ``defer`` (none here)."""
+        """Nothing is deferred."""
 
-    def created(self, e: Entry) -> None:
-        """``e`` entered the index."""
+    def access(self, keys: Sequence[bytes], hits: int) -> None:
+        """Recency is the table's stamps: nothing more to count."""
 
-    def removed(self, e: Entry) -> None:
-        """``e`` left the index."""
-
-    def count(self, key: bytes) -> int:
+    def entering(self, key: bytes) -> int:
+        """A block is about to enter the table: its ``freq`` column's value."""
         return 0
 
-    def pick(self, candidates: Iterator[Replica]) -> Replica | None:
-        """The victim among eligible replicas given least recent first."""
-        return next(candidates, None)
+    def entering_many(self, q: np.ndarray) -> np.ndarray:
+        """:meth:`entering` for a batch of keys ((n, 2) words), their ``freq`` values."""
+        return np.zeros(len(q), dtype=np.uint64)
 
-    def admits(self, key: bytes, victim: Replica) -> bool:
+    def entered(self, rows: np.ndarray, freqs: list[int] | np.ndarray) -> None:
+        """The blocks announced by :meth:`entering` are in the table, at ``rows``; ``freqs``
+        is what :meth:`entering` gave for each."""
+
+    def gave_up(self, keys: list[bytes], freqs: list[int]) -> None:
+        """The blocks announced by :meth:`entering` (their counts ``freqs``) never entered."""
+
+    def leaving(self, row: int) -> None:
+        """``row`` is about to leave the table."""
+
+    def leaving_many(self, rows: np.ndarray) -> None:
+        """``rows`` are about to leave the table, in this order."""
+
+    def victim(self, seg_ref: int, clean: bool = False) -> int:
+        """The row to evict from segment ``seg_ref`` (-1: none is evictable); ``clean``: only a
+        row with a copy elsewhere (:func:`clean_rows`)."""
+        if clean:
+            rows = clean_rows(self.table, seg_ref)
+            return int(rows[0]) if len(rows) else -1
+        return self.table.oldest(seg_ref)
+
+    def admits(self, key: bytes, victim: int) -> bool:
         """Whether storing ``key`` is worth evicting ``victim``."""
         return True
 
-    def demotion_order(self, candidates: Iterable[Replica], want: int) -> list[Replica]:
-        """Replicas to demote first, from eligible ones given least recent first, until their
-        extents add up to ``want`` bytes."""
-        return until(candidates, lambda rep: rep.size, want)
+    def demotion_order(self, seg_ref: int, want: int) -> list[int]:
+        """Rows of the segment to demote, first first, until their extents add up to ``want``."""
+        return until(_oldest_worth(self.table, seg_ref, want).tolist(), self._size, want)
+
+    def _size(self, row: int) -> int:
+        return int(self.table.size[row])
 
     def stats(self) -> dict[str, int]:
         return {}
 
     def check_integrity(self) -> None:
-        """Asserts the policy's own accounting against the index's entries."""
+        """Nothing of its own to check."""
 
 
-class AdaptivePolicy(AdaptiveCounts, LruPolicy):
-    """``adaptive``: see the module docstring."""
+def clean_rows(t: BlockTable, seg_ref: int) -> np.ndarray:
+    """Among the :data:`CLEAN_SCAN` least recently used evictable rows of segment ``seg_ref``
+    (whose primary replica is there), those with a copy elsewhere, oldest first."""
+    rows = t.oldest_batch(seg_ref, CLEAN_SCAN)
+    return rows[(t.copy[rows] != 0) & (t.seg[rows] == seg_ref)]
+
+
+def _oldest_worth(t: BlockTable, seg_ref: int, want: int, at_least: int = 1) -> np.ndarray:
+    """The segment's least recently used evictable rows, oldest first: as many as it takes for
+    their extents to add up to ``want`` bytes, and at least ``at_least`` of them (or all)."""
+    k = max(at_least, 64)
+    while True:
+        rows = t.oldest_batch(seg_ref, k)
+        if len(rows) < k:
+            return rows
+        acc = np.cumsum(t.size[rows])
+        enough = np.flatnonzero(acc >= want)
+        if len(enough) and max(int(enough[0]) + 1, at_least) <= k:
+            return rows[: max(int(enough[0]) + 1, at_least)]
+        k *= 4
+
+
+def _aged(freq: np.ndarray, epoch: int) -> np.ndarray:
+    """Packed counts (``epoch << 8 | count``) aged to ``epoch``: :func:`kvstore.meta.counts.aged`
+    over a column."""
+    shift = np.minimum(np.uint64(8), np.uint64(epoch) - (freq >> _SHIFT))
+    return (freq & _LOW) >> shift
+
+
+class Adaptive(AdaptiveCounts, Lru):
+    """``adaptive`` (see the module docstring)."""
 
     name = "adaptive"
 
-    def __init__(self, entries: dict[bytes, Entry]) -> None:
-        super().__init__(entries)
+    def __init__(self, table: BlockTable, params: PolicyParams | None = None) -> None:
+        super().__init__(table, params)
         self._init_counts()
+        self._entering = 0  # blocks a put has placed but not yet added to the table
 
     def _population(self) -> int:
-        return len(self.entries)
+        return self.table.live + self._entering
 
-    def _bump(self, keys: Sequence[bytes], stamp: int, spell: int) -> Iterator[bytes]:
-        """Counts an access of the stored ``keys`` (marking them in a spell); yields the others."""
-        get = self.entries.get
-        epoch = stamp >> EPOCH_SHIFT
-        for k in keys:
-            e = get(k)
-            if e is not None:
-                e.freq = stamp | min(MAX_COUNT, aged(e.freq, epoch) + 1)
-                if spell:
-                    e.again = spell
-            else:
-                yield k
+    def _bump(self, keys: Sequence[bytes], stamp: int, spell: int) -> list[bytes]:
+        t = self.table
+        rows = t.find(words(b"".join(keys)))
+        here = rows >= 0
+        if here.any():
+            rows, times = np.unique(rows[here], return_counts=True)
+            counts = np.minimum(_aged(t.freq[rows], stamp >> EPOCH_SHIFT) + times.astype(np.uint64), _LOW)
+            t.freq[rows] = np.uint64(stamp) | counts
+            if spell:
+                t.again[rows] = spell
+        return [k for k, h in zip(keys, here.tolist()) if not h]
 
-    def created(self, e: Entry) -> None:
-        freq = self._from_history(e.key)
-        if freq:
-            e.freq = freq
+    def _stored(self, row: int) -> int:
+        """A stored block's count: aged, but never below 1 (it was read or written once)."""
+        return max(1, aged(int(self.table.freq[row]), self.epoch))
 
-    def removed(self, e: Entry) -> None:
-        self._to_history(e.key, e.freq)
+    def entering(self, key: bytes) -> int:
+        freq = self._from_history(key)
+        self._entering += 1
+        return freq
+
+    def entering_many(self, q: np.ndarray) -> np.ndarray:
+        """Counts out of the history for the keys that are in it (a chunk's worth of lookups;
+        none at all while the history is empty, as after a restart)."""
+        out = np.zeros(len(q), dtype=np.uint64)
+        self._entering += len(q)
+        if self.history:
+            packed = np.ascontiguousarray(q, dtype="<u8").tobytes()
+            for i in range(len(q)):
+                k = packed[16 * i : 16 * i + 16]
+                if k in self.history:
+                    out[i] = self._from_history(k)
+        return out
+
+    def entered(self, rows: np.ndarray, freqs: list[int] | np.ndarray) -> None:
+        self._entering = 0
+        self.table.freq[rows] = freqs
+
+    def gave_up(self, keys: list[bytes], freqs: list[int]) -> None:
+        for k, f in zip(keys, freqs):  # one at a time, in placement order
+            self._to_history(k, f)
+            self._entering -= 1
+        self._entering = 0
+
+    def leaving(self, row: int) -> None:
+        self._to_history(self.table.key(row), int(self.table.freq[row]))
+
+    def leaving_many(self, rows: np.ndarray) -> None:
+        """As :meth:`leaving` for each, in order, but only the last rows whose counts the
+        history can keep are written to it (the others would be pushed out by them)."""
+        self.drain()
+        t = self.table
+        keep = min(len(rows), self.params.history_max)
+        rows = rows[len(rows) - keep :]
+        counts = _aged(t.freq[rows], self.epoch)
+        rows, counts = rows[counts > 0], counts[counts > 0]
+        packed = t.keys(rows)
+        stamp = self.epoch << EPOCH_SHIFT
+        for i, c in enumerate(counts.tolist()):
+            self.history[packed[16 * i : 16 * i + 16]] = stamp | c
+        limit = self._history_limit()
+        while len(self.history) > limit:
+            self.history.popitem(last=False)
 
     def count(self, key: bytes) -> int:
         self.drain()
-        e = self.entries.get(key)
-        return aged(e.freq, self.epoch) if e is not None else self._history_count(key)
+        row = int(self.table.find(words(key))[0])
+        return aged(int(self.table.freq[row]), self.epoch) if row >= 0 else self._history_count(key)
 
-    def pick(self, candidates: Iterator[Replica]) -> Replica | None:
+    def victim(self, seg_ref: int, clean: bool = False) -> int:
+        oldest = clean_rows(self.table, seg_ref) if clean else self.table.oldest_batch(seg_ref, 1)
+        if not len(oldest):
+            return -1  # nothing evictable: the policy's state is not asked
         self.drain()
         self.duel.free = False
+        if clean:  # the mode's choice among the few that qualify (no second chance given)
+            if self.frequency_mode:
+                rows = oldest[: self.params.sample]
+                return int(rows[int(np.argmin(np.maximum(_aged(self.table.freq[rows], self.epoch), 1)))])
+            if self.second_chance_mode:
+                fresh = oldest[self.table.again[oldest] != self._spell]
+                return int(fresh[0] if len(fresh) else oldest[0])
+            return int(oldest[0])
         if self.second_chance_mode:
-            return self._second_chance(candidates)
+            return self._second_chance(seg_ref)
         if not self.frequency_mode:
-            return next(candidates, None)
-        best = None
-        best_c = MAX_COUNT + 1
-        epoch = self.epoch
-        for _, rep in zip(range(SAMPLE), candidates):
-            c = _stored(rep.entry, epoch)
-            if c < best_c:
-                best, best_c = rep, c
-        return best
+            return int(oldest[0])
+        rows = self.table.oldest_batch(seg_ref, self.params.sample)
+        counts = np.maximum(_aged(self.table.freq[rows], self.epoch), np.uint64(1))
+        return int(rows[int(np.argmin(counts))])  # the first least counted: the oldest of them
 
-    def _second_chance(self, candidates: Iterator[Replica]) -> Replica | None:
-        """CLOCK's second chance on the recency order: the least recent block not read again
-        (in this spell of second-chance mode) since it was stored or since its last second
-        chance; those passed over lose the mark and go to the most recent end of their
-        segment's order, in their order. If every candidate was read again, the least recent
-        goes (after the others are passed over).
-
-        The walk has no bound, as CLOCK's hand has none: each block passed over spends a mark
-        that a read set, so the walks cost O(1) per block read, amortized, and one walk is at
-        most as long as the run of blocks read since they were last passed over at the least
-        recent end (every block of a segment, once, if all of it was read again between two
-        evictions: about half a second per million blocks); marks are set only in this mode, and
-        a new spell of it starts with none, so no walk crosses marks left from before. Chain
-        order holds: a read marks a block and its predecessors together and touches the
-        predecessors last, so a block reaches the end after its descendants, and a descendant
-        passed over earlier is either unmarked (found first) or was read again (and so were its
-        predecessors, after it). Predecessors left less recent than a descendant passed over are
-        still marked, which is what keeps them; as the spell ends, :meth:`_end_spell` puts them
-        after it."""
-        passed: list[Replica] = []
-        victim = None
+    def _second_chance(self, seg_ref: int) -> int:
+        """CLOCK's second chance on the recency order, as ``AdaptivePolicy._second_chance``: the
+        least recent row not marked in this spell; those passed over lose the mark and become
+        the most recent, in their order. Walked ``sample`` rows at a time, the rows passed over made
+        most recent as each batch is walked: the same order as after the walk, and the same
+        victim when every row is marked (the first passed over, least recent again by then)."""
+        t = self.table
         spell = self._spell
-        for rep in candidates:
-            if rep.entry.again != spell:
-                victim = rep
-                break
-            passed.append(rep)
-        first = 0
-        if victim is None and passed:
-            victim, first = passed[0], 1
-        for rep in passed[first:]:  # after the walk: the candidates iterate the segment's order
-            rep.entry.again = 0
-            rep.segment.lru.move_to_end(rep.entry.key)
-        return victim
+        while True:
+            rows = t.oldest_batch(seg_ref, self.params.sample)
+            if not len(rows):
+                return -1
+            marked = t.again[rows] == spell
+            n = len(rows) if marked.all() else int(np.argmin(marked))
+            passed = rows[:n]
+            t.again[passed] = 0
+            t.stamp(passed)
+            if n < len(rows):
+                return int(rows[n])
 
     def _end_spell(self) -> None:
-        """Puts chain order back in the recency order as a spell of second-chance mode ends.
+        """As ``AdaptivePolicy._end_spell``: the evictable rows still marked become the most
+        recent, in their order, so that chain order holds in the recency order again."""
+        t = self.table
+        n = t.n_rows
+        rows = np.flatnonzero((t.again[:n] == self._spell) & ((t.flags[:n] & LIVE) != 0))
+        rows = rows[t.evictable(rows)]
+        t.stamp(rows[np.argsort(t.recent[rows], kind="stable")])
 
-        Within a spell, a block passed over goes to the most recent end without its
-        predecessors, which may so stay less recent than it: their marks (a read marks a block
-        and its predecessors together, and a predecessor's mark is spent only by its own pass,
-        which puts it after the block) keep them from going first. Outside the spell marks count
-        for nothing, so every block still marked goes to the most recent end now, in its order:
-        each is then more recent than any block it precedes in a chain. One walk of the orders
-        of the segments that hold a marked block, at most once per spell: spells end only when
-        the duel changes mode."""
-        spell = self._spell
-        segments = {rep.segment for e in self.entries.values() if e.again == spell for rep in e.replicas}
-        for seg in segments:
-            lru = seg.lru
-            for key in [k for k, rep in lru.items() if rep.entry.again == spell]:
-                lru.move_to_end(key)
-
-    def admits(self, key: bytes, victim: Replica) -> bool:
+    def admits(self, key: bytes, victim: int) -> bool:
         self.drain()
         if not self.frequency_mode:
             return True
-        return self.count(key) > _stored(victim.entry, self.epoch)
+        return self.count(key) > self._stored(victim)
 
-    def demotion_order(self, candidates: Iterable[Replica], want: int) -> list[Replica]:
+    def demotion_order(self, seg_ref: int, want: int) -> list[int]:
         self.drain()
+        t = self.table
         if not self.frequency_mode and not self.second_chance_mode:
-            return super().demotion_order(candidates, want)
-        # Among the least recent (at least SAMPLE of them): least counted first (frequency), or
+            return super().demotion_order(seg_ref, want)
+        # Among the least recent (at least ``sample`` of them): least counted first (frequency), or
         # not read again first (second chance); ties oldest first.
-        pool: list[Replica] = []
-        acc = 0
-        for rep in candidates:
-            if acc >= want and len(pool) >= SAMPLE:
-                break
-            pool.append(rep)
-            acc += rep.size
-        if self.second_chance_mode:  # blocks not read again first, stable: recency breaks ties
+        pool = _oldest_worth(t, seg_ref, want, self.params.sample).tolist()
+        if self.second_chance_mode:
             spell = self._spell
-            pool.sort(key=lambda r: r.entry.again == spell)
+            pool.sort(key=lambda r: int(t.again[r]) == spell)
         else:
-            epoch = self.epoch
-            pool.sort(key=lambda r: _stored(r.entry, epoch))  # stable: recency breaks ties
-        return super().demotion_order(pool, want)
+            pool.sort(key=self._stored)
+        return until(pool, self._size, want)
 
     def check_integrity(self) -> None:
         self.drain()
-        assert not any(k in self.entries for k in self.history), "a stored block's count is also in the history"
-        assert all(aged(e.freq, self.epoch) <= MAX_COUNT for e in self.entries.values())
-        assert all(0 <= e.again <= self._spell for e in self.entries.values()), "a mark of a spell yet to come"
+        t = self.table
+        assert not self._entering, "blocks announced as entering were never added"
+        n = t.n_rows
+        live = (t.flags[:n] & LIVE) != 0
+        assert not any(int(t.find(words(k))[0]) >= 0 for k in self.history), (
+            "a stored block's count is also in the history"
+        )
+        assert (_aged(t.freq[:n][live], self.epoch) <= MAX_COUNT).all()
+        assert (t.again[:n][live] <= self._spell).all(), "a mark of a spell yet to come"
 
 
-def make_policy(name: str, entries: dict[bytes, Entry]) -> LruPolicy:
-    if name == "adaptive":
-        return AdaptivePolicy(entries)
-    if name == "lru":
-        return LruPolicy(entries)
-    raise ValueError(f"unknown cache policy {name!r} (one of {', '.join(POLICIES)})")
+POLICIES = {"adaptive": Adaptive, "lru": Lru}  # meta.cache_policy

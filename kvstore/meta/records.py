@@ -1,7 +1,7 @@
 """The records the index is made of: typed values (specs, inventory items, tombstones, results,
-limits) and the mutable per-block, per-segment and per-daemon state that
-:class:`kvstore.meta.index.Index` keeps. No behaviour beyond small accessors: the index owns
-every change.
+limits, the cache policy's parameters) and the mutable per-segment and per-daemon state that
+:class:`kvstore.meta.index.Index` keeps (per-block state is columns of its table,
+:mod:`kvstore.meta.table`). No behaviour beyond small accessors: the index owns every change.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 import heapq
 import struct
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from kvstore import tickets
 from kvstore.extent import ALIGN, SSD_ALIGN
@@ -110,95 +111,17 @@ GEN_MAX = (1 << 64) - 1
 WRITE_TICKET_GRACE_S = 2 * tickets.SKEW_S + 2
 
 
-class Replica:
-    __slots__ = (
-        "segment", "offset", "size", "length", "checksum", "leases", "entry", "live", "ready", "row", "gen", "written",
-    )  # fmt: skip
-
-    def __init__(self, segment: Segment, offset: int, size: int, length: int, entry: Entry, gen: int) -> None:
-        self.segment = segment
-        self.gen = gen
-        self.offset = offset
-        self.size = size  # extent bytes in the segment
-        self.length = length  # payload bytes
-        self.checksum = 0
-        self.leases = 0
-        self.entry = entry
-        self.live = True  # False once dropped from the index (freed when the last lease goes)
-        self.ready = False  # bytes written and committed: readable
-        # The daemon may hold a committed header for it (a commit or move was attempted):
-        # dropping it then needs a tombstone even if it never became ready.
-        self.written = False
-        self.row = ROW.pack(segment.ref, 0, offset, length, 0, gen)
-
-    @property
-    def tier(self) -> Tier:
-        return self.segment.spec.tier
-
-    @property
-    def key(self) -> bytes:
-        return self.entry.key
-
-    def set_checksum(self, csum: int) -> None:
-        self.checksum = csum
-        self.row = ROW.pack(self.segment.ref, 0, self.offset, self.length, csum, self.gen)
-
-    def evictable(self) -> bool:
-        return self.live and self.ready and self.leases == 0 and not self.entry.pinned and self.entry.complete
-
-
-class Entry:
-    __slots__ = ("key", "complete", "replicas", "pinned", "put_id", "moving", "freq", "again")
-
-    def __init__(self, key: bytes, put_id: int) -> None:
-        self.key = key
-        self.freq = 0  # the cache policy's access count (kvstore.meta.policy)
-        self.again = 0  # second-chance mode's mark: the spell in which it was last read again
-        self.complete = False
-        self.replicas: list[Replica] = []
-        self.pinned = False
-        self.put_id = put_id
-        self.moving = False  # a demotion or promotion of this block is under way
-
-    @property
-    def replica(self) -> Replica | None:
-        """The replica a reader gets: a ready DRAM one first, else any ready one (a pending
-        entry: its reservation)."""
-        best = None
-        for r in self.replicas:
-            if r.ready:
-                if r.segment.spec.tier == Tier.DRAM:
-                    return r
-                best = best or r
-        if best is None and self.replicas and not self.complete:
-            return self.replicas[0]
-        return best
-
-    def on(self, tier: Tier) -> Replica | None:
-        for r in self.replicas:
-            if r.segment.spec.tier == tier:
-                return r
-        return None
-
-
 class Segment:
-    __slots__ = (
-        "daemon", "spec", "alloc", "lru", "blocks", "pinned", "leased", "ref", "replicas", "pb_ref", "quarantined",
-    )  # fmt: skip
+    __slots__ = ("daemon", "spec", "alloc", "blocks", "pinned", "leased", "ref", "pb_ref", "quarantined")
 
     def __init__(self, daemon: Daemon, spec: SegmentSpec, ref: int, alloc: Allocator | None = None) -> None:
         self.daemon = daemon
         self.ref = ref  # names this segment in location rows
         self.spec = spec
         self.alloc = alloc or Allocator(spec.capacity, SEGMENT_ALIGN[spec.tier])
-        # Evictable replicas only, oldest first.
-        self.lru: OrderedDict[bytes, Replica] = OrderedDict()
-        self.blocks = 0
-        self.pinned = 0
-        self.leased = 0
-        # Every live replica (ready or reserved), so that losing a daemon costs its own blocks,
-        # not a walk of the whole index.
-        self.replicas: set[Replica] = set()
+        self.blocks = 0  # replicas here (committed or reserved)
+        self.pinned = 0  # replicas here of pinned blocks
+        self.leased = 0  # blocks whose primary replica is here with a lease on it
         # How location messages describe it (kvstore.wire.locations_to_pb), built once.
         self.pb_ref = None
         # Bytes of extents freed but held back from the allocator while write tickets for them
@@ -235,30 +158,43 @@ class Daemon:
 
 
 @dataclass(slots=True)
-class Put:
-    put_id: int
-    deadline: float
-    keys: list[bytes]  # the whole request, for touching the chain on commit
-    entries: list[Entry]  # the allocated ones, in placement order
+class CommitPlaces:
+    """Where the blocks of a pending commit are, spelled out when the commit began (a row may be
+    another block's by the time the daemons answer), one entry per block to commit."""
 
-
-@dataclass(slots=True)
-class Lease:
-    lease_id: int
-    deadline: float
-    replicas: list[Replica]
+    index: np.ndarray  # the block's position among the put's placements
+    refs: np.ndarray  # its segment's ref (``segments[ref]``)
+    offset: np.ndarray
+    size: np.ndarray
+    length: np.ndarray
+    gen: np.ndarray
+    keys: bytes  # packed, 16 bytes a block
+    segments: dict  # ref -> Segment, for the refs above
 
 
 @dataclass(slots=True)
 class PendingCommit:
-    """A put between PutCommit's start and the daemons' answer (see :meth:`Index.put_commit_begin`)."""
+    """A put between PutCommit's start and the daemons' answer (see
+    :meth:`kvstore.meta.index.Index.put_commit_begin`)."""
 
-    put: Put
-    # Per allocated block, in placement order: its replica (None: not to be committed) and
-    # its status so far (a CommitStatus).
-    replicas: list[Replica | None]
-    status: list[int]
+    put: Any  # kvstore.meta.writes.Put
+    places: CommitPlaces  # the blocks the daemons are to commit
+    status: list[int]  # per allocated block, in placement order: its CommitStatus so far
     checksums: list[int]
+
+    @property
+    def replicas(self) -> list[Any]:
+        """Per allocated block, its location (kvstore.meta.index.Location) if the daemons are to
+        commit it, else None: :attr:`places` spelled out, one object a block (for tests and tools)."""
+        from kvstore.meta.index import Location
+
+        p = self.places
+        out: list[Any] = [None] * len(self.status)
+        for j, i in enumerate(p.index.tolist()):
+            key = p.keys[16 * j : 16 * j + 16]
+            seg = p.segments[int(p.refs[j])]
+            out[i] = Location(seg, int(p.offset[j]), int(p.size[j]), int(p.length[j]), 0, int(p.gen[j]), key)
+        return out
 
 
 class CommitStatus(IntEnum):  # mirrors kvstore.v1.CommitStatus
@@ -269,31 +205,66 @@ class CommitStatus(IntEnum):  # mirrors kvstore.v1.CommitStatus
     UNAVAILABLE = 4
 
 
-@dataclass(slots=True)
-class Move:
-    """A copy of one block between two segments of one daemon (demotion or promotion)."""
-
-    move_id: int
-    src: Replica  # leased for the duration
-    dst: Replica  # reserved, not ready
-    demote: bool
-
-
 class PutStartResult(NamedTuple):
     put_id: int
     status: list[int]
-    placements: list[Replica]
+    placements: np.ndarray  # rows of the block table, in placement order (Index.locations spells them out)
     deadline: float
 
 
 class AcquireResult(NamedTuple):
     hit_count: int
     lease_id: int
-    locations: list[Replica]
+    locations: np.ndarray  # rows of the leased run
     ttl: float
 
 
-INDEXES = ("object", "compact")  # meta.index: kvstore.meta.index.Index, kvstore.meta.compact.CompactIndex
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    """The adaptive cache policy's parameters (:mod:`kvstore.meta.policy`, :mod:`kvstore.meta.duel`),
+    all in one value handed to the index (``IndexLimits.policy``). The defaults come from the
+    literature, not from fitting a workload; benchmarks that study them make indexes with others."""
+
+    # Blocks a sampled eviction looks at (hyperbolic caching, Redis' LFU).
+    sample: int = 64
+    # Counts halve every age_factor x the cache size accesses (TinyLFU's reset period).
+    age_factor: float = 10
+    # Counts of blocks not stored are kept for history_factor x the cache size blocks.
+    history_factor: float = 10
+    # The duel weighs its evidence (shadow hits, calibration) with a half-life of window_factor x
+    # a shadow's size in sampled accesses (0: 4 x age_factor): the span over which the frequency
+    # mode's state is built and forgotten. A count halves every aging period, so the counts that
+    # set a hot prefix apart from a one-time tail (up to 2**4) are made over four periods, and a
+    # switch into that mode pays off, or not, over as long. One aging period is also too few
+    # requests to judge by: hits come in runs (a request's leading hits, hundreds of blocks at
+    # once where requests are long), and at 10 x the cache size a document-QA window held about
+    # 16 requests, so a few of them decided the mode.
+    window: float = 0
+    # Sampled blocks a shadow holds (set dueling: 32 sets of a few thousand lines), and the least.
+    shadow_blocks: int = 2048
+    min_shadow: int = 64
+    # A switch to or from frequency needs a lead of `margin` and a difference above `significance`
+    # standard deviations of the sampling noise (the two-sided 95 % level).
+    margin: float = 0.05
+    significance: float = 2.0
+    # The history of blocks not stored holds at most history_max keys; counts age as if the index
+    # held at least min_population blocks.
+    history_max: int = 1 << 20
+    min_population: int = 1024
+    # A mode held whatever the duel says ("recency", "frequency", "second_chance"; "": the duel
+    # chooses). For measurements.
+    fixed_mode: str = ""
+
+    @property
+    def window_factor(self) -> float:
+        return self.window or 4 * self.age_factor
+
+    @property
+    def prior_hits(self) -> float:
+        """A calibration ratio's prior, in shadow hits: the count at which a difference of
+        ``margin`` is ``significance`` standard deviations of Poisson noise ((2 / 0.05) ** 2):
+        evidence weaker than what could justify a switch does not move the estimate much."""
+        return (self.significance / self.margin) ** 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,8 +280,9 @@ class IndexLimits:
     # DRAM fill above which the coldest blocks are demoted to SSD, and the fill to demote down to.
     dram_high_watermark: float = 0.9
     dram_low_watermark: float = 0.8
-    # Eviction and admission (kvstore.meta.policy): "adaptive" or "lru".
+    # Eviction and admission (kvstore.meta.policy): "adaptive" or "lru", and the parameters.
     cache_policy: str = "adaptive"
+    policy: PolicyParams = PolicyParams()
     # The device tier (kvstore.meta.engines): engines reporting their caches' blocks.
     engine_ttl_s: float = 3.0
     max_engine_ttl_s: float = 60.0

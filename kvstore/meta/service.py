@@ -1,6 +1,5 @@
 """The metadata service as a running server: a thin grpc.aio adapter over
-:class:`kvstore.meta.index.Index` (or, with ``meta.index=compact``, the columnar
-:class:`kvstore.meta.compact.CompactIndex`), its handlers in :mod:`kvstore.meta.servicer`.
+:class:`kvstore.meta.index.Index`, its handlers in :mod:`kvstore.meta.servicer`.
 
 A background task expires daemons, put reservations and leases; another plans tier moves, which
 each daemon carries out on its own (a slow daemon holds up only its own moves). Both loops
@@ -22,7 +21,6 @@ from prometheus_client import CollectorRegistry
 from kvstore.config import MetaConfig
 from kvstore.errors import Unavailable
 from kvstore.meta.auth import Authority, Quotas
-from kvstore.meta.compact import CompactIndex
 from kvstore.meta.daemons import DaemonLink
 from kvstore.meta.index import (
     Clock,
@@ -102,7 +100,7 @@ class MetaServer:
             shard=self.shard,
             shards=self.shards,
         )
-        self.index = (CompactIndex if cfg.index == "compact" else Index)(limits, clock or Clock())
+        self.index = Index(limits, clock or Clock())
         self.link = DaemonLink(self.index, cfg.daemon_rpc_timeout_s, tls=tls, epoch=self.epoch)
         self.link.gate = gate
         self.registry = registry or CollectorRegistry()

@@ -16,13 +16,11 @@ import time
 from kvstore import tickets
 from kvstore.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from kvstore.keys import KEY_BYTES, unpack_keys
+from kvstore.meta.api import IndexApi
 from kvstore.meta.auth import OPEN, Authority, Identity, Quotas, require
 from kvstore.meta.daemon_calls import DaemonCalls
 from kvstore.meta.daemons import DaemonLink
-from kvstore.meta.index import (
-    CommitStatus,
-    Index,
-)
+from kvstore.meta.records import CommitStatus
 from kvstore.v1 import meta_pb2
 from kvstore.wire import U8, U32, U64, daemon_to_pb, leading, locations_to_pb, pack, unpack
 
@@ -44,7 +42,7 @@ def _flags(data: bytes, what: str, count: int | None = None) -> list[bool]:
 class MetaServicer(DaemonCalls):
     def __init__(
         self,
-        index: Index,
+        index: IndexApi,
         link: DaemonLink,
         allow_clock_skew: bool = False,
         tickets: bool = True,
@@ -126,8 +124,8 @@ class MetaServicer(DaemonCalls):
             timeout_s=request.timeout_ms / 1000.0,
             exclude=request.exclude_daemons,
         )
-        # Spelled out now: during the flush the put can end (its deadline, its daemon lost) and a
-        # compact index can give its rows to another put; the extents stay this put's (held back
+        # Spelled out now: during the flush the put can end (its deadline, its daemon lost) and
+        # the index can give its rows to another put; the extents stay this put's (held back
         # until its write tickets lapse).
         places = self.index.locations(res.placements)
         # Space freed by eviction is handed out only once its old blocks are gone on their

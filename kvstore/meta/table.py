@@ -1,4 +1,4 @@
-"""The compact index's block table: every block's state in fixed-width columns (numpy arrays),
+"""The index's block table: every block's state in fixed-width columns (numpy arrays),
 found through an open-addressing hash table of row numbers keyed by the 128-bit block key.
 
 No Python object exists per block: a block is a row, its key two 64-bit words, its replica
@@ -14,13 +14,7 @@ words with per-table random multipliers, so that keys chosen by a client cannot 
 probe run without knowing them (keys are already hashes, but a tenant sends the bytes it likes).
 Deletion shifts the run back (no tombstone slots), so probe runs stay as short as the fill.
 
-Recency. Every event that makes a block most recently used (committed, touched, released by its
-last lease, unpinned) gives it the next value of one counter; the least recently used
-evictable block of a segment is the one with the smallest stamp. Eviction takes victims from a
-per-segment list of the oldest evictable rows, computed in one vectorised pass and consumed in
-order: a row whose stamp changed since, or that stopped being evictable, is skipped. The list
-stays exact because stamps only grow: a row that was not among the oldest then is younger than
-every row on the list, and a row becomes evictable again only with a new stamp.
+Recency, eviction order and the row flags: :mod:`kvstore.meta.recency`.
 """
 
 from __future__ import annotations
@@ -32,13 +26,7 @@ import numpy as np
 from kvstore.errors import ResourceExhausted
 from kvstore.keys import KEY_BYTES
 from kvstore.meta.copies import Copies
-
-# Flags.
-LIVE = 1  # in the hash table (a stored or pending block)
-READY = 2  # committed: readable
-PINNED = 4
-WRITTEN = 8  # its daemon may hold it committed: dropping it needs a tombstone
-HELD = 16  # kept out of eviction for the duration of one call
+from kvstore.meta.recency import HELD, LIVE, PINNED, READY, WRITTEN, Recency  # noqa: F401 - re-exported
 
 _COLUMNS = (
     ("kw", np.uint64, 2),  # the key, as its two little-endian words side by side (one cache line)
@@ -50,7 +38,7 @@ _COLUMNS = (
     ("leases", np.uint32, 1), ("flags", np.uint8, 1),
     ("copy", np.uint32, 1),  # the row's first further replica (kvstore.meta.copies), 0: none
 )  # fmt: skip
-# Kept only for the adaptive policy (kvstore.meta.compact_policy): a block's access count
+# Kept only for the adaptive policy (kvstore.meta.policy): a block's access count
 # (epoch << 8 | count) and second chance's mark (the spell it was read again in).
 COUNT_COLUMNS = (("freq", np.uint64, 1), ("again", np.uint32, 1))
 ROW_BYTES = sum(np.dtype(t).itemsize * w for _, t, w in _COLUMNS)
@@ -63,7 +51,6 @@ _MAX_FILL = 0.7  # of the hash table, before it doubles
 _WINDOW = 8  # slots compared per probe round (64 bytes: one cache line, mostly)
 _SCALAR = 32  # keys left at which probing goes on key by key
 _GROW = 1.5  # rows grow by half
-_NO_ROWS = np.empty(0, dtype=np.int64)
 
 
 _KEY = np.dtype((np.void, KEY_BYTES))
@@ -79,7 +66,7 @@ def _as_keys(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w).view(_KEY).ravel()
 
 
-class BlockTable:
+class BlockTable(Recency):
     """Rows of block state and the hash table that finds them. Pure state, no locking."""
 
     def __init__(self, rows: int = 1024, seed: int | None = None, counts: bool = False) -> None:
@@ -199,20 +186,28 @@ class BlockTable:
         tag = (tag << 32) | np.where(self.flags[rows] & READY, _SLOT_READY, 0)  # the slot's upper half
         todo = rows.astype(np.int64)
         slots, mask, steps = self.slots, self.mask, np.arange(_WINDOW)
+        # First round: each key's home slot alone (empty for most keys at the table's fill).
+        keep = self._claim(slot, np.flatnonzero(slots[slot] < 0), tag | todo)
+        todo, slot, tag = todo[keep], slot[keep], tag[keep]
         while todo.size:
             empty = slots[(slot[:, None] + steps) & mask] < 0
             j = empty.argmax(1)
             has = empty[np.arange(len(j)), j]
-            target = (slot + j) & mask
-            # One row per empty slot this round; the others probe on from where they were.
-            cand = np.flatnonzero(has)
-            _, first = np.unique(target[cand], return_index=True)
-            win = cand[first]
-            slots[target[win]] = tag[win] | todo[win]
-            keep = np.ones(todo.size, dtype=bool)
-            keep[win] = False
+            keep = self._claim((slot + j) & mask, np.flatnonzero(has), tag | todo)
             slot = np.where(has, slot, slot + _WINDOW) & mask
             todo, slot, tag = todo[keep], slot[keep], tag[keep]
+
+    def _claim(self, target: np.ndarray, cand: np.ndarray, value: np.ndarray) -> np.ndarray:
+        """Writes ``value`` into the empty slot ``target`` of each of the ``cand`` keys, one key per
+        slot (whichever wrote its mark last: marks are negative, below the empty slot's -1);
+        returns which keys are still to place (the others probe on from where they were)."""
+        slots, mark = self.slots, -2 - cand
+        slots[target[cand]] = mark
+        win = cand[slots[target[cand]] == mark]
+        slots[target[win]] = value[win]
+        keep = np.ones(len(target), dtype=bool)
+        keep[win] = False
+        return keep
 
     def _unhash(self, row: int) -> None:
         """Takes ``row`` out of the hash table, shifting the rest of its probe run back."""
@@ -246,9 +241,19 @@ class BlockTable:
         self.cap = cap
         self.copies.relink(self.copy)
 
-    def add(self, q: np.ndarray) -> np.ndarray:
-        """New rows (flags LIVE, other columns zero) for keys ((n, 2) words) not in the table,
-        distinct."""
+    def reserve(self, more: int) -> None:
+        """Room for ``more`` rows beyond the live ones, made now (columns grown and the hash
+        table sized once, rather than step by step as they come: a registration of millions)."""
+        need = self.live + more
+        fresh = max(0, more - self._n_free)
+        if self.n_rows + fresh > self.cap:
+            self._grow_rows(self.n_rows + fresh)
+        if need > _MAX_FILL * len(self.slots):
+            self._rehash(int(np.ceil(np.log2(need / _MAX_FILL))))
+
+    def add(self, q: np.ndarray, ready: bool = False) -> np.ndarray:
+        """New rows (flags LIVE, and READY if ``ready``; other columns zero) for keys ((n, 2)
+        words) not in the table, distinct."""
         n = len(q)
         reuse = min(n, self._n_free)
         rows = np.empty(n, dtype=np.int64)
@@ -261,11 +266,13 @@ class BlockTable:
         if self.n_rows + fresh > self.cap:
             self._grow_rows(self.n_rows + fresh)
         rows[reuse:] = np.arange(self.n_rows, self.n_rows + fresh)
+        if reuse:  # (rows never used are zero already: columns grow zeroed)
+            for name, _, _ in self._columns:
+                getattr(self, name)[rows[:reuse]] = 0
+        self.kw[rows[:reuse]] = q[:reuse]
+        self.kw[self.n_rows : self.n_rows + fresh] = q[reuse:]
         self.n_rows += fresh
-        for name, _, _ in self._columns:
-            getattr(self, name)[rows] = 0
-        self.kw[rows] = q
-        self.flags[rows] = LIVE
+        self.flags[rows] = LIVE | READY if ready else LIVE
         self.live += n
         if self.live > _MAX_FILL * len(self.slots):
             self._rehash(self.bits + max(1, int(np.ceil(np.log2(self.live / (_MAX_FILL * len(self.slots)))))))
@@ -283,6 +290,32 @@ class BlockTable:
         self._unhash(row)
         self.flags[row] &= 0xFF ^ (LIVE | READY)
         self.live -= 1
+
+    def unlink_many(self, rows: np.ndarray) -> None:
+        """:meth:`unlink` for each of ``rows`` (distinct, live): few are taken out of their probe
+        runs one by one; many (an eighth of the table or more: a daemon's whole segment) by
+        rebuilding the hash table from the rows that stay, vectorised."""
+        if len(rows) * 8 < self.live:
+            for r in rows.tolist():
+                self._unhash(r)
+            self.flags[rows] &= 0xFF ^ (LIVE | READY)
+            self.live -= len(rows)
+            return
+        self.flags[rows] &= 0xFF ^ (LIVE | READY)
+        self.live -= len(rows)
+        bits = self.bits
+        while bits > 10 and self.live < _MAX_FILL * (1 << (bits - 2)):
+            bits -= 1  # shrink to the rows left (never below the fill that would grow it back)
+        self._rehash(bits)
+
+    def free_many(self, rows: np.ndarray) -> None:
+        """:meth:`free` for each of ``rows`` (unlinked, distinct)."""
+        self.flags[rows] = 0
+        need = self._n_free + len(rows)
+        if need > len(self._free):
+            self._free = np.resize(self._free, max(need, 2 * len(self._free)))
+        self._free[self._n_free : need] = rows
+        self._n_free = need
 
     def room(self) -> int:
         """How many more rows the table can hold."""
@@ -302,107 +335,6 @@ class BlockTable:
     def keys(self, rows: np.ndarray) -> bytes:
         """The packed keys of ``rows``."""
         return self.kw[rows].astype("<u8").tobytes()
-
-    # ---- recency ----------------------------------------------------------------------------
-
-    def evictable(self, rows: np.ndarray) -> np.ndarray:
-        f = self.flags[rows]
-        return ((f & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)) & (self.leases[rows] == 0)
-
-    def is_evictable(self, row: int) -> bool:
-        return (int(self.flags[row]) & (LIVE | READY | PINNED | HELD)) == (LIVE | READY) and self.leases[row] == 0
-
-    def stamp(self, rows: np.ndarray) -> None:
-        """Makes ``rows`` the most recently used, the last of them most recent."""
-        n = len(rows)
-        if n:
-            self.recent[rows] = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.uint64)
-            self._clock += n
-
-    def stamp_one(self, row: int) -> None:
-        self._clock += 1
-        self.recent[row] = self._clock
-
-    def oldest(self, seg_ref: int, batch: int = 0) -> int:
-        """The least recently used evictable row of segment ``seg_ref``, -1 if none."""
-        rows, stamps, pos = self._oldest.get(seg_ref, (_NO_ROWS, _NO_ROWS, 0))
-        recent, flags, leases, seg = self.recent, self.flags, self.leases, self.seg
-        while True:
-            while pos < len(rows):
-                r = int(rows[pos])
-                if (
-                    recent[r] == stamps[pos]
-                    and (seg[r] == seg_ref or (self.copy[r] and self.copies.first_on(r, seg_ref) >= 0))
-                    and (flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)
-                    and leases[r] == 0
-                ):
-                    self._oldest[seg_ref] = (rows, stamps, pos)
-                    return r
-                pos += 1
-            rows, stamps = self._oldest_pass(seg_ref, batch)
-            pos = 0
-            if not len(rows):
-                self._oldest.pop(seg_ref, None)
-                return -1
-
-    def oldest_batch(self, seg_ref: int, k: int) -> np.ndarray:
-        """The ``k`` least recently used evictable rows of segment ``seg_ref`` (fewer if there
-        are not so many), oldest first: the first ``k`` that :meth:`oldest` would give in turn,
-        vectorised over the segment's list of oldest rows (which it moves past the rows no
-        longer on it, and makes anew, from the whole table, when fewer than ``k`` are left)."""
-        for fresh in (False, True):
-            if fresh:  # (a pass of the usual size, at least four batches' worth)
-                rows, stamps = self._oldest_pass(seg_ref, 0 if 4 * k <= 256 else 4 * k)
-                pos = 0
-            else:
-                rows, stamps, pos = self._oldest.get(seg_ref, (_NO_ROWS, _NO_ROWS, 0))
-            r, st = rows[pos:], stamps[pos:]
-            ok = (
-                (self.recent[r] == st)
-                & self.on_segment(r, seg_ref)
-                & ((self.flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY))
-                & (self.leases[r] == 0)
-            )
-            good = np.flatnonzero(ok)
-            if len(good):
-                self._oldest[seg_ref] = (rows, stamps, pos + int(good[0]))
-            else:
-                self._oldest.pop(seg_ref, None)
-            if len(good) >= k or fresh:  # a fresh pass short of k: that is every evictable row
-                return r[good[:k]]
-        raise AssertionError("unreachable")
-
-    def _oldest_pass(self, seg_ref: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
-        n = self.n_rows
-        f = self.flags[:n]
-        ok = (
-            ((f & (LIVE | READY | PINNED | HELD)) == (LIVE | READY))
-            & (self.leases[:n] == 0)
-            & (self.seg[:n] == seg_ref)
-        )
-        if self.copies.count:  # and the rows with a copy there
-            ok[self.copies.rows_on(seg_ref)] = True
-            ok &= ((f & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)) & (self.leases[:n] == 0)
-        cand = np.flatnonzero(ok)
-        # Enough for many evictions per pass (a pass costs the whole table), few enough to sort
-        # and hold (16 bytes each).
-        want = batch or max(256, min(len(cand) // 16, 1 << 20))
-        st = self.recent[cand]
-        if len(cand) > want:
-            part = np.argpartition(st, want - 1)[:want]
-            cand, st = cand[part], st[part]
-        order = np.argsort(st, kind="stable")
-        return cand[order], st[order]
-
-    def on_segment(self, rows: np.ndarray, seg_ref: int) -> np.ndarray:
-        """Whether each of ``rows`` has a replica (its primary or a copy) on ``seg_ref``."""
-        out = self.seg[rows] == seg_ref
-        if self.copies.count:
-            out |= self.copies.on(rows, seg_ref)
-        return out
-
-    def forget_segment(self, seg_ref: int) -> None:
-        self._oldest.pop(seg_ref, None)
 
     # ---- introspection ----------------------------------------------------------------------
 

@@ -39,6 +39,11 @@ class MetaServiceStub:
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.RegisterDaemonRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_meta__pb2.RegisterDaemonResponse.FromString,
                 _registered_method=True)
+        self.RegisterDaemonStream = channel.stream_unary(
+                '/kvstore.v1.MetaService/RegisterDaemonStream',
+                request_serializer=kvstore_dot_v1_dot_meta__pb2.RegisterDaemonRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_meta__pb2.RegisterDaemonResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvstore.v1.MetaService/Heartbeat',
                 request_serializer=kvstore_dot_v1_dot_meta__pb2.HeartbeatRequest.SerializeToString,
@@ -126,6 +131,16 @@ class MetaServiceServicer:
 
     def RegisterDaemon(self, request, context):
         """Daemons.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterDaemonStream(self, request_iterator, context):
+        """The same registration for an inventory too large for one message (each message is bounded
+        by the channel's limit): the first message carries what RegisterDaemon's does with a first
+        part of the inventory, each further one only more parts of it (daemon, ticket_key and
+        registration empty); the registration is made, and answered, once the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,6 +265,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     request_deserializer=kvstore_dot_v1_dot_meta__pb2.RegisterDaemonRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_meta__pb2.RegisterDaemonResponse.SerializeToString,
             ),
+            'RegisterDaemonStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.RegisterDaemonStream,
+                    request_deserializer=kvstore_dot_v1_dot_meta__pb2.RegisterDaemonRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_meta__pb2.RegisterDaemonResponse.SerializeToString,
+            ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=kvstore_dot_v1_dot_meta__pb2.HeartbeatRequest.FromString,
@@ -356,6 +376,33 @@ class MetaService:
             request,
             target,
             '/kvstore.v1.MetaService/RegisterDaemon',
+            kvstore_dot_v1_dot_meta__pb2.RegisterDaemonRequest.SerializeToString,
+            kvstore_dot_v1_dot_meta__pb2.RegisterDaemonResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterDaemonStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvstore.v1.MetaService/RegisterDaemonStream',
             kvstore_dot_v1_dot_meta__pb2.RegisterDaemonRequest.SerializeToString,
             kvstore_dot_v1_dot_meta__pb2.RegisterDaemonResponse.FromString,
             options,

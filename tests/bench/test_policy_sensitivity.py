@@ -1,5 +1,5 @@
-"""The policy-sensitivity benchmark: a parameter set there reaches the index's policy (and is put
-back), and a small run gives well-formed rows and a report."""
+"""The policy-sensitivity benchmark: a parameter set there reaches the index's policy (and no
+other index), and a small run gives well-formed rows and a report."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ if str(REPO) not in sys.path:
 from bench import policy as P  # noqa: E402
 from bench import policy_sensitivity as S  # noqa: E402
 from bench.workloads import find_trace, make  # noqa: E402
-from kvstore.meta import compact_policy, counts, duel  # noqa: E402
-from kvstore.meta import policy as index_policy  # noqa: E402
 
 SMALL = {
     "chat": {"scale": 0.25, "sessions": 40, "duration_s": 600.0},
@@ -33,26 +31,27 @@ def _trace_available() -> bool:
         return False
 
 
-def test_parameters_reach_every_module_and_are_put_back() -> None:
-    before = (duel.AGE_FACTOR, duel.HISTORY_FACTOR, duel.SAMPLE, duel.WINDOW_FACTOR, counts.Duel)
-    with S.parameters(3, 7, 5, frequency_only=True):
-        assert (duel.AGE_FACTOR, counts.AGE_FACTOR, duel.WINDOW_FACTOR) == (3, 3, 12)
-        assert (duel.HISTORY_FACTOR, counts.HISTORY_FACTOR) == (7, 7)
-        assert duel.SAMPLE == index_policy.SAMPLE == compact_policy.SAMPLE == 5
-        assert counts.Duel is S._FrequencyOnly
-    assert (duel.AGE_FACTOR, duel.HISTORY_FACTOR, duel.SAMPLE, duel.WINDOW_FACTOR, counts.Duel) == before
-    assert counts.AGE_FACTOR == counts.HISTORY_FACTOR == 10 and index_policy.SAMPLE == compact_policy.SAMPLE == 64
+def test_a_parameter_set_reaches_the_index_policy_and_its_duel_only() -> None:
+    idx = P.make_index(200, params=S.params_of(3, 7, 5, frequency_only=True))
+    pol = idx.policy
+    assert (pol.params.age_factor, pol.params.history_factor, pol.params.sample) == (3, 7, 5)
+    assert pol.params.window_factor == 12 and pol.params.fixed_mode == "frequency"
+    assert pol.duel.params is pol.params and pol.duel.shadows[1].params is pol.params
+    # Another index made meanwhile keeps the defaults: nothing global was changed.
+    other = P.make_index(200).policy.params
+    assert (other.age_factor, other.history_factor, other.sample, other.window_factor) == (10, 10, 64, 40)
+    assert S.DEFAULTS == {"age": 10, "history": 10, "sample": 64}
 
 
 def test_an_aging_period_set_there_is_the_one_the_index_ages_by() -> None:
     stream = P.Stream.from_workload(make("chat", seed=P.SEED, **SMALL["chat"]))
     epochs = {}
     for age in (2, 40):
-        with S.parameters(age, 10, 64, frequency_only=True):
-            out = P.kvstore_hits(stream, 200)
+        index = P.make_index(200, params=S.params_of(age, 10, 64, frequency_only=True))
+        out = P.kvstore_hits(stream, 200, index=index)
         assert out["policy_frequency_keys"] > 0.99 * stream.refs
         epochs[age] = out["policy_epoch"]
-    # Counts halve every AGE_FACTOR x max(1024, blocks indexed) accesses, counted a request at
+    # Counts halve every age_factor x max(1024, blocks indexed) accesses, counted a request at
     # a time (a period ends at the request that reaches it).
     longest = max(len(p) // 16 for p in stream.packed)
     for age, n in epochs.items():
@@ -81,4 +80,4 @@ def test_a_small_run_is_well_formed_and_renders() -> None:
     # No online policy beats MIN with bypass.
     assert fit["best"]["hit_rate"] <= fit["optimal_hit_rate"]
     text = S.render({"command": "x", "date": "d", "machine": "m", "wall_s": 1.0, **r}, None)
-    assert "Fitted to the trace" in text and "| AGE_FACTOR |" in text
+    assert "Fitted to the trace" in text and "| age_factor |" in text

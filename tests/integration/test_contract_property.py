@@ -108,7 +108,7 @@ class World:
 
     def visible(self) -> set[bytes]:
         assert self.meta is not None
-        return {k for k, e in self.meta.index.entries.items() if e.complete}
+        return set(self.meta.index.keys())
 
     async def put(self, keys: list[bytes]) -> None:
         assert self.client is not None
@@ -167,7 +167,7 @@ class World:
         elif kind == "restart_service":
             await self.client.close()
             await self.meta.stop(0)  # the background round in progress finishes first
-            before_ids = {k for k in self.meta.index.entries if self.meta.index.entries[k].complete}
+            before_ids = set(self.meta.index.keys())
             await self.start_meta()
             await self.pause_tiering()
             await asyncio.wait_for(self._reregistered(), 30)

@@ -41,8 +41,8 @@ def stored_keys(daemon: CacheDaemon) -> set[bytes]:
     return {inv.keys[i : i + KEY_BYTES] for inv in invs for i in range(0, len(inv.keys), KEY_BYTES)}
 
 
-async def start_meta(index: str = "object") -> tuple[MetaServer, int]:
-    meta = MetaServer(MetaConfig(listen="127.0.0.1:0", heartbeat_interval_s=0.05, daemon_ttl_s=30.0, index=index))
+async def start_meta() -> tuple[MetaServer, int]:
+    meta = MetaServer(MetaConfig(listen="127.0.0.1:0", heartbeat_interval_s=0.05, daemon_ttl_s=30.0))
     return meta, await meta.start()
 
 
@@ -172,8 +172,8 @@ async def test_a_move_under_way_when_the_daemon_registers_again_stops_and_the_in
         await asyncio.wait_for(daemon.registered.wait(), 30)
         keys = KEYS[:3]
         assert (await client.put(keys, [payload(i) for i in range(3)])).stored == 3
-        reps = [meta.index.entries[k].replicas[0] for k in keys]
-        assert all(r.segment.spec.tier == Tier.DRAM and r.ready for r in reps)
+        reps = [meta.index.replicas(k)[0] for k in keys]
+        assert all(r.segment.spec.tier == Tier.DRAM for r in reps)
         link = daemon.links[0]
         step = extent_size(BLOCK, SSD_ALIGN)
         req = daemon_pb2.MoveRequest(
@@ -214,9 +214,7 @@ async def test_a_move_under_way_when_the_daemon_registers_again_stops_and_the_in
         }
         assert (SSD_SEGMENT, keys[0], 0) in held
         assert not any(seg == SSD_SEGMENT and k in keys[1:] for seg, k, _ in held)
-        known = {
-            (r.segment.spec.segment_id, k, r.offset) for k in keys for r in meta.index.entries[k].replicas if r.live
-        }
+        known = {(r.segment.spec.segment_id, k, r.offset) for k in keys for r in meta.index.replicas(k)}
         assert held == known
         out = [np.zeros(BLOCK, np.uint8) for _ in range(3)]
         assert await client.get_into(keys, out) == 3
@@ -228,14 +226,13 @@ async def test_a_move_under_way_when_the_daemon_registers_again_stops_and_the_in
         await meta.stop(0)
 
 
-@pytest.mark.parametrize("index", ["object", "compact"])
-async def test_a_registration_made_in_a_daemons_name_is_undone_by_its_next_heartbeat(tmp_path, index):
+async def test_a_registration_made_in_a_daemons_name_is_undone_by_its_next_heartbeat(tmp_path):
     """Without an auth file any caller may register a daemon id. A stray (or hostile)
     RegisterDaemon in the name of a running daemon, with an empty inventory and a dead data
     address, replaces its registration: its blocks leave the index. The daemon's next
     heartbeat names its own registration, the service answers that it does not know it, and
     the daemon registers again with its inventory: every block is found and read back."""
-    meta, port = await start_meta(index)
+    meta, port = await start_meta()
     daemon = await start_daemon(tmp_path, port, "fence4")
     client = KVStoreClient(f"127.0.0.1:{port}", ClientConfig(retries=0))
     try:

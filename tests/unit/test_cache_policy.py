@@ -1,5 +1,4 @@
-"""The index's cache policy (kvstore.meta.policy, and on the block table kvstore.meta.compact_policy)
-driven through the real indexes, object and compact alike: the invariants
+"""The index's cache policy (kvstore.meta.policy) driven through the real index: the invariants
 of the frequency mode (never evicts what is leased, pinned or being written; a chain's tail
 before its head; admission in chain order; bounded history), the mode choice and its shadows
 (kvstore.meta.duel), and aging. Every index check also checks the policy's own accounting."""
@@ -13,79 +12,41 @@ import pytest
 
 from kvstore.errors import ResourceExhausted
 from kvstore.extent import ALIGN
-from kvstore.meta import counts as cnt
 from kvstore.meta import duel as du
-from kvstore.meta.compact import CompactIndex
 from kvstore.meta.duel import FREQUENCY, RECENCY, SECOND_CHANCE
-from kvstore.meta.index import Index, IndexLimits, PutStatus
-from kvstore.meta.table import LIVE, BlockTable, words
+from kvstore.meta.index import Index, IndexLimits, PolicyParams, PutStatus
+from kvstore.meta.table import LIVE, words
 from tests.unit.test_index import BLK, FakeClock, dspec, k, pk, seg
 
 ALLOCATED = PutStatus.ALLOCATED
 NOT_ADMITTED = PutStatus.NOT_ADMITTED
 
 
-class Stored:
-    """The compact index's stored keys as the object index's ``entries`` answer membership."""
-
-    def __init__(self, table: BlockTable) -> None:
-        self.table = table
-
-    def __contains__(self, key: bytes) -> bool:
-        return int(self.table.find(words(key))[0]) >= 0
-
-    def __iter__(self):  # noqa: ANN204
-        t = self.table
-        live = np.flatnonzero(t.flags[: t.n_rows] & LIVE)
-        return iter([t.key(int(r)) for r in live])
+def stored(idx: Index) -> set[bytes]:
+    """The keys in the index (committed or being written)."""
+    t = idx.table
+    return {t.key(int(r)) for r in np.flatnonzero(t.flags[: t.n_rows] & LIVE)}
 
 
-# Every test runs on both indexes: the policy's decisions are the same code on an entry or on a
-# row of the block table (kvstore.meta.compact_policy). Tests that look into the object index's
-# own structures (a segment's recency order, an entry's mark) are for it alone.
-KINDS = ("object", "compact")
-_kind = ["object"]
-
-
-@pytest.fixture(params=KINDS, autouse=True)
-def index_kind(request) -> str:  # noqa: ANN001
-    _kind[0] = request.param
-    return request.param
-
-
-def object_only() -> None:
-    if _kind[0] != "object":
-        pytest.skip("looks into the object index's own structures")
+P = PolicyParams()
 
 
 def recency(idx) -> list[bytes]:  # noqa: ANN001
     """The keys of the segment's evictable blocks, least recently used first."""
-    if _kind[0] == "object":
-        return list(seg(idx).lru)
     return [idx.table.key(int(r)) for r in idx.table.oldest_batch(seg(idx).ref, 1 << 20)]
 
 
 def demotions(idx, n: int) -> list[bytes]:  # noqa: ANN001
     """The keys the policy demotes first, as many as ``n`` blocks' extents."""
-    if _kind[0] == "object":
-        reps = list(seg(idx).lru.values())
-        return [r.entry.key for r in idx.policy.demotion_order(iter(reps), n * reps[0].size)]
     return [idx.table.key(r) for r in idx.policy.demotion_order(seg(idx).ref, n * ALIGN)]
 
 
 def mark(idx, key: bytes, spell: int) -> None:  # noqa: ANN001
-    if _kind[0] == "object":
-        idx.entries[key].again = spell
-    else:
-        idx.table.again[int(idx.table.find(words(key))[0])] = spell
+    idx.table.again[int(idx.table.find(words(key))[0])] = spell
 
 
 def make(slots: int = 8, policy: str = "adaptive", frequency: bool | None = None, mode: int | None = None) -> Index:
-    if _kind[0] == "compact":
-        idx = CompactIndex(IndexLimits(cache_policy=policy), FakeClock())
-        idx.entries = Stored(idx.table)  # type: ignore[attr-defined]
-    else:
-        idx = Index(IndexLimits(cache_policy=policy), FakeClock())
+    idx = Index(IndexLimits(cache_policy=policy), FakeClock())
     idx.register_daemon(dspec(slots=slots), {})
     if frequency is not None:
         mode = FREQUENCY if frequency else RECENCY
@@ -135,14 +96,14 @@ def test_frequency_mode_admits_only_blocks_hotter_than_the_victim():
     # order, and that is not an error.
     read(idx, 10, 11)
     assert store(idx, 10, 11) == [NOT_ADMITTED, NOT_ADMITTED]
-    assert k(10) not in idx.entries and read(idx, 0, 1, 2, 3) == 4
+    assert k(10) not in stored(idx) and read(idx, 0, 1, 2, 3) == 4
     assert idx.counters["not_admitted_keys"] == 2 and idx.counters["evictions"] == 0
     # Seen often enough, it earns its place: it displaces the least counted block, which is
     # the hot chain's tail (its head is counted as often, and more recent).
     for _ in range(5):
         read(idx, 10)
     assert store(idx, 10) == [ALLOCATED]
-    assert k(3) not in idx.entries and read(idx, 0, 1, 2) == 3
+    assert k(3) not in stored(idx) and read(idx, 0, 1, 2) == 3
 
 
 def test_lru_mode_and_lru_policy_admit_everything():
@@ -184,7 +145,7 @@ def test_never_evicts_leased_pinned_or_unwritten_blocks(mode: int):
             store(idx, *dict.fromkeys(ids))
         except Exception as e:  # every evictable block is protected: ResourceExhausted
             assert type(e).__name__ == "ResourceExhausted", e
-        assert protected <= set(idx.entries), f"step {i}: a protected block was evicted"
+        assert protected <= stored(idx), f"step {i}: a protected block was evicted"
         idx.check_integrity()
     idx.release(lease.lease_id)
     if pending.status == [ALLOCATED]:
@@ -201,7 +162,7 @@ def test_frequency_mode_takes_a_chain_tail_before_its_head():
         for _ in range(4 + n):
             read(idx, 50 + n)
         assert store(idx, 50 + n) == [ALLOCATED]
-        order += [i for i in range(8) if k(i) not in idx.entries and i not in order]
+        order += [i for i in range(8) if k(i) not in stored(idx) and i not in order]
     assert order == [7, 6, 5, 4, 3, 2, 1, 0]
 
 
@@ -219,7 +180,7 @@ def test_demotion_order_follows_the_mode():
 
 def test_history_is_bounded():
     idx = make(slots=4)
-    limit = du.HISTORY_FACTOR * cnt.MIN_POPULATION
+    limit = P.history_factor * P.min_population
     for i in range(0, 3 * limit, 64):
         idx.acquire(b"".join((10**6 + j).to_bytes(16, "big") for j in range(i, i + 64)))
         assert len(idx.policy.history) <= limit
@@ -229,7 +190,7 @@ def test_history_is_bounded():
     assert len(sc.d) <= sc.capacity
     assert len(lru.d) <= lru.capacity
     assert len(lfu.d) <= lfu.capacity
-    assert len(lfu.history) <= du.HISTORY_FACTOR * lfu.capacity
+    assert len(lfu.history) <= P.history_factor * lfu.capacity
 
 
 def test_counts_age_by_halving_each_epoch():
@@ -248,7 +209,7 @@ def test_counts_age_by_halving_each_epoch():
     for _ in range(3):
         read(idx, 0)
     idx.remove(pk(0))
-    assert k(0) not in idx.entries and idx.policy.count(k(0)) == 4
+    assert k(0) not in stored(idx) and idx.policy.count(k(0)) == 4
     store(idx, 0)
     assert idx.policy.count(k(0)) == 4
 
@@ -256,7 +217,7 @@ def test_counts_age_by_halving_each_epoch():
 def test_epochs_advance_with_accesses():
     idx = make(slots=4)
     before = idx.policy.epoch
-    period = du.AGE_FACTOR * cnt.MIN_POPULATION
+    period = P.age_factor * P.min_population
     keys = pk(*range(64))
     for _ in range(period // 64 + 1):
         idx.acquire(keys)
@@ -347,7 +308,7 @@ def test_a_mode_that_does_not_deliver_what_its_shadow_promised_is_left():
     d.real = [0.0, 600.0, 0.0]
     d.shadowed = [0.0, 1100.0, 0.0]
     k_rec, k_freq, _ = d.calibration()
-    assert k_rec == 1.0 and k_freq == pytest.approx((600 + du.PRIOR_HITS) / (1100 + du.PRIOR_HITS))
+    assert k_rec == 1.0 and k_freq == pytest.approx((600 + P.prior_hits) / (1100 + P.prior_hits))
     d.decide()  # 1100 * 0.81 = 896, recency 12 % ahead and past the noise
     assert d.mode == RECENCY and d.switches == 1
     d.decide()
@@ -359,8 +320,8 @@ def test_a_mode_that_does_not_deliver_what_its_shadow_promised_is_left():
     d.shadowed = [2400.0, 1100.0, 0.0]
     k_rec, k_freq, k_sc = d.calibration()
     assert k_sc == pytest.approx(k_rec), "no evidence of its own: recency's ratio"
-    assert k_rec == pytest.approx((3000 + du.PRIOR_HITS) / (2400 + du.PRIOR_HITS))
-    assert k_freq == pytest.approx((600 + k_rec * du.PRIOR_HITS) / (1100 + du.PRIOR_HITS))
+    assert k_rec == pytest.approx((3000 + P.prior_hits) / (2400 + P.prior_hits))
+    assert k_freq == pytest.approx((600 + k_rec * P.prior_hits) / (1100 + P.prior_hits))
     idx = make(slots=8)
     idx.policy.duel = d  # exported for the metrics, in thousandths
     st = idx.policy.stats()
@@ -382,7 +343,7 @@ def test_the_index_own_hits_calibrate_the_mode_it_is_in():
     # At 1 in s, only the sampled keys of the held run count.
     d = du.Duel()
     d.free = False
-    indexed = 8 * du.SHADOW_BLOCKS
+    indexed = 8 * P.shadow_blocks
     d.observe([k(0)], indexed, 0)  # sets s = 8
     assert d.s == 8
     keys = [k(i) for i in range(400)]
@@ -407,7 +368,7 @@ def test_the_index_reports_its_own_hits_to_the_duel():
 
 def test_shadows_start_over_when_the_index_doubles_not_at_every_crossing():
     d = du.Duel()
-    b = 2 * du.SHADOW_BLOCKS
+    b = 2 * P.shadow_blocks
     d.observe([k(0)], b, 0)
     assert d.s == 2
     shadows = d.shadows
@@ -549,7 +510,7 @@ def test_deferred_accounting_makes_every_decision_the_same(seed: int):
     assert queued > 1000, "reads were not queued: the test did not defer"
     later.policy.drain()
     assert now.policy.stats() == later.policy.stats()
-    assert set(now.entries) == set(later.entries)
+    assert stored(now) == stored(later)
     assert now.policy.mode_switches > 0, "the traffic never switched modes: the test shows too little"
     later.check_integrity()
 
@@ -602,8 +563,8 @@ def test_no_block_outlives_its_parent(setup: str, seed: int):
                 request(idx, *chain, check=False)
             except Exception as e:  # the whole segment leased or written: nothing to evict
                 assert type(e).__name__ == "ResourceExhausted", e
-        stored = {int.from_bytes(x, "big") - 1 for x in idx.entries}  # k(i) is i + 1
-        orphans = [b for b in stored if b in parent and parent[b] not in stored]
+        held = {int.from_bytes(x, "big") - 1 for x in stored(idx)}  # k(i) is i + 1
+        orphans = [b for b in held if b in parent and parent[b] not in held]
         assert not orphans, f"step {step}: {orphans} stored without their parents"
     assert idx.counters["evictions"] > 30, "the test evicted too little to show anything"
     idx.check_integrity()
@@ -620,14 +581,14 @@ def test_second_chance_mode_passes_over_blocks_read_again():
     request(idx, 1)  # 1 read again too: order 2, 0, 1
     request(idx, 2)  # and 2: every block marked, order 0, 1, 2
     request(idx, 10)  # all marked: each passed over in turn, then the least recent (0) goes
-    assert k(0) not in idx.entries and {k(1), k(2), k(10)} <= set(idx.entries)
+    assert k(0) not in stored(idx) and {k(1), k(2), k(10)} <= stored(idx)
     assert read(idx, 2) == 1  # 2 marked again; 1 is unmarked now
     request(idx, 11)  # 1 is the least recent and unmarked: it goes
-    assert k(1) not in idx.entries and {k(2), k(10), k(11)} <= set(idx.entries)
+    assert k(1) not in stored(idx) and {k(2), k(10), k(11)} <= stored(idx)
     request(idx, 12)  # order 10, 2, 11: 10 unmarked goes, 2 keeps its mark
-    assert k(10) not in idx.entries
+    assert k(10) not in stored(idx)
     request(idx, 13)  # order 2 (marked), 11, 12: 2 passed over, 11 goes
-    assert k(11) not in idx.entries and k(2) in idx.entries
+    assert k(11) not in stored(idx) and k(2) in stored(idx)
     idx.check_integrity()
     # In recency mode the same traffic keeps nothing read again beyond its turn.
     lru = make(slots=3, frequency=False)
@@ -637,7 +598,7 @@ def test_second_chance_mode_passes_over_blocks_read_again():
     request(lru, 1)
     request(lru, 2)
     request(lru, 10)
-    assert k(0) not in lru.entries
+    assert k(0) not in stored(lru)
 
 
 def test_marks_of_an_earlier_spell_do_not_count():
@@ -650,24 +611,22 @@ def test_marks_of_an_earlier_spell_do_not_count():
         read(idx, i)  # read again in recency mode: not marked
     idx.policy.duel.mode = SECOND_CHANCE
     request(idx, 10)
-    assert k(0) not in idx.entries, "a read in recency mode counted as a mark"
+    assert k(0) not in stored(idx), "a read in recency mode counted as a mark"
     mark(idx, k(1), idx.policy._spell)  # order 1, 2, 10: the least recent marked
     idx.policy._spell += 1  # a later spell
     request(idx, 11)
-    assert k(1) not in idx.entries, "a mark of an earlier spell counted"
+    assert k(1) not in stored(idx), "a mark of an earlier spell counted"
 
 
 def test_second_chance_demotes_blocks_not_read_again_first():
-    object_only()  # demotes from a recency order taken before the last read
     idx = make(slots=8, mode=SECOND_CHANCE)
     request(idx, 0)
     request(idx, 1)
     request(idx, 2)
-    read(idx, 0)
-    reps = list(seg(idx).lru.values())  # least recent first: 1, 2, 0
-    read(idx, 1)  # marked, without moving it in this list
-    order = idx.policy.demotion_order(iter(reps), 2 * reps[0].size)
-    assert [r.entry.key for r in order] == [k(2), k(1)]  # unmarked first, then least recent
+    read(idx, 0)  # read again: marked
+    read(idx, 1)  # read again: marked
+    assert recency(idx) == [k(2), k(0), k(1)]
+    assert demotions(idx, 2) == [k(2), k(0)]  # unmarked first, then the least recent marked
 
 
 def test_the_recency_family_member_switches_on_a_paired_difference():
@@ -719,7 +678,7 @@ def test_leaving_second_chance_keeps_chain_order(after: int):
     read(idx, 0)  # a prefix-only read: order 1, 10, 0
     request(idx, 11)
     request(idx, 12)  # 1 passed over (after 0 now, unmarked), 10 goes: order 0, 11, 1, 12
-    assert k(10) not in idx.entries and recency(idx)[0] == k(0)
+    assert k(10) not in stored(idx) and recency(idx)[0] == k(0)
     going = [RECENCY] + ([SECOND_CHANCE] if after == SECOND_CHANCE else [])
     duel.decide = lambda: setattr(duel, "mode", going[0])  # type: ignore[method-assign]
     read(idx, 99)  # the spell ends
@@ -729,7 +688,7 @@ def test_leaving_second_chance_keeps_chain_order(after: int):
     duel.mode = after
     assert recency(idx)[-1] == k(0), "the marked predecessor did not go to the most recent end"
     request(idx, 13)
-    assert k(1) not in idx.entries or k(0) in idx.entries, "1 stored without 0"
+    assert k(1) not in stored(idx) or k(0) in stored(idx), "1 stored without 0"
     idx.check_integrity()
 
 

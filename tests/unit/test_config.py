@@ -309,7 +309,6 @@ SPECIAL = {
     "meta.dram_high_watermark": ("0.95", 0.95),
     "meta.dram_low_watermark": ("0.15", 0.15),
     "meta.cache_policy": ("lru", "lru"),
-    "meta.index": ("object", "object"),
     "daemon.ssd_durability": ("durable", "durable"),
     "daemon.ssd_compress": ("off", "off"),
     "client.transport": ("tcp", "tcp"),
@@ -342,7 +341,6 @@ SPECIAL = {
         (["daemon.data_port=70000"], "daemon.data_port: must be a port number"),
         (["daemon.ssd_durability=sometimes"], "daemon.ssd_durability: must be one of fast, durable"),
         (["meta.cache_policy=random"], "meta.cache_policy: must be one of adaptive, lru"),
-        (["meta.index=columns"], "meta.index: must be one of object, compact"),
         (["client.transport=carrier-pigeon"], "client.transport: must be one of auto, shm, tcp"),
         (["client.io_threads=0"], "client.io_threads: must be positive"),
         (["client.retries=-1"], "client.retries: must be >= 0"),
@@ -483,11 +481,10 @@ def test_client_settings_come_from_the_environment(monkeypatch, tmp_path):
     assert tls.enabled and tls.cert.endswith("client.pem")
 
 
-def test_the_compact_index_loads_with_either_cache_policy():
-    cfg = load_config(overrides=["meta.index=compact", "meta.cache_policy=lru"], env={})
-    assert (cfg.meta.index, cfg.meta.cache_policy) == ("compact", "lru")
-    cfg = load_config(overrides=["meta.index=compact"], env={})
-    assert (cfg.meta.index, cfg.meta.cache_policy) == ("compact", "adaptive")
-    assert load_config(env={}).meta.index == "object"
+def test_either_cache_policy_loads_and_another_is_refused():
+    assert load_config(overrides=["meta.cache_policy=lru"], env={}).meta.cache_policy == "lru"
+    assert load_config(env={}).meta.cache_policy == "adaptive"
     with pytest.raises(InvalidArgument, match="meta.cache_policy"):
-        load_config(overrides=["meta.index=compact", "meta.cache_policy=lfu"], env={})
+        load_config(overrides=["meta.cache_policy=lfu"], env={})
+    with pytest.raises(InvalidArgument, match="meta.index"):  # one index: the setting is gone
+        load_config(overrides=["meta.index=compact"], env={})

@@ -10,14 +10,19 @@ import pytest
 from test_index import BLK, SEG, dspec, k, make, pk, put
 
 from kvstore.meta.daemons import _FAILED, DaemonLink, _failed
-from kvstore.meta.index import InventoryItem
+from kvstore.meta.records import InventoryItem
+
+
+def where(idx, i: int):  # noqa: ANN001, ANN201
+    """Block ``i``'s location (a kvstore.meta.index.Location)."""
+    return idx.locations(idx.lookup(pk(i), with_locations=True)[2])[0]
 
 
 def test_heartbeat_batch_is_resent_until_acknowledged_then_the_next_one_goes():
     idx, _ = make()
     link = DaemonLink(idx)
     put(idx, 0, 1)
-    rep0 = idx.entries[k(0)].replica
+    rep0 = where(idx, 0)
     idx.remove(pk(0))
     batch, items = link.heartbeat_batch("d1", 0)
     assert batch and [(t.key, t.offset, t.gen) for t in items] == [(k(0), rep0.offset, rep0.gen)]
@@ -35,14 +40,14 @@ def test_reregistration_is_filtered_by_the_unacknowledged_batch():
     idx, _ = make()
     link = DaemonLink(idx)
     put(idx, 0)
-    rep = idx.entries[k(0)].replica
+    rep = where(idx, 0)
     item = InventoryItem(k(0), rep.offset, BLK, rep.checksum, 0, rep.gen)
     idx.remove(pk(0))
     batch, items = link.heartbeat_batch("d1", 0)
     assert items and not idx.tombstones.get("d1")
     link.requeue("d1")  # what the RegisterDaemon handler does first
     assert idx.register_daemon(dspec(), {SEG: [item]}) == 1  # refused
-    assert k(0) not in idx.entries
+    assert idx.lookup(pk(0))[0] == 0
     # The tombstone goes out again (a fresh batch), until the daemon applies it.
     batch2, again = link.heartbeat_batch("d1", batch)
     assert batch2 and [t.key for t in again] == [k(0)]

@@ -7,6 +7,7 @@ import math
 import random
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 
 from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -19,11 +20,15 @@ from kvstore.meta.index import (
     Index,
     IndexLimits,
     InventoryItem,
+    Location,
+    PutStartResult,
     PutStatus,
+    Segment,
     SegmentSpec,
     Tier,
     Tombstone,
 )
+from kvstore.meta.table import LIVE, PINNED, READY, words
 
 BLK = ALIGN - HEADER_SIZE  # a payload that fills exactly one ALIGN slot
 SEG = 1  # the segment id of the DRAM segment in the default daemon
@@ -98,15 +103,15 @@ class Loc(NamedTuple):
     tier: int
 
 
-def L(rep) -> Loc:  # noqa: N802, ANN001
-    """A replica (what placements and locations are) as a plain tuple."""
-    seg_ = rep.segment
-    return Loc(seg_.daemon.spec.daemon_id, seg_.spec.segment_id, rep.offset, rep.length, rep.checksum, seg_.spec.tier)
+def L(loc: Location) -> Loc:  # noqa: N802
+    """A location (what placements and locations spell out as) as a plain tuple."""
+    seg_ = loc.segment
+    return Loc(seg_.daemon.spec.daemon_id, seg_.spec.segment_id, loc.offset, loc.length, loc.checksum, seg_.spec.tier)
 
 
 def locs_of(idx: Index, *ids: int) -> list[Loc]:
     """The locations of the leading run of ``ids``."""
-    return [L(x) for x in idx.lookup(pk(*ids), with_locations=True)[2]]
+    return [L(x) for x in idx.locations(idx.lookup(pk(*ids), with_locations=True)[2])]
 
 
 def hits(idx: Index, *ids: int) -> int:
@@ -117,8 +122,63 @@ def present(idx: Index, *ids: int) -> list[bool]:
     return idx.lookup(pk(*ids), per_key=True)[1]
 
 
+def row_of(idx: Index, key: bytes) -> int:
+    """The table row of ``key`` (-1: not in the index)."""
+    return int(idx.table.find(words(key))[0])
+
+
+def where(idx: Index, i: int) -> Location:
+    """The replica of key ``i`` that readers get (its row's primary), spelled out."""
+    row = row_of(idx, k(i))
+    assert row >= 0, f"key {i} is not in the index"
+    return idx.locations([row])[0]
+
+
+def places(idx: Index, r: PutStartResult) -> list[Location]:
+    """A put's placements, spelled out."""
+    return idx.locations(r.placements)
+
+
+def live_rows(idx: Index) -> np.ndarray:
+    t = idx.table
+    return np.flatnonzero(t.flags[: t.n_rows] & LIVE)
+
+
+def live_keys(idx: Index) -> list[bytes]:
+    """The keys of every block in the index (committed or pending)."""
+    return [idx.table.key(r) for r in live_rows(idx).tolist()]
+
+
+def status_of(idx: Index, key: bytes) -> bool | None:
+    """True: committed; False: pending; None: not in the index."""
+    row = row_of(idx, key)
+    return None if row < 0 else bool(idx.table.flags[row] & READY)
+
+
+def lru(idx: Index, s: Segment) -> list[bytes]:
+    """The keys of the evictable blocks with a replica in segment ``s``, least recently used
+    first: the segment's eviction candidates in recency order."""
+    t = idx.table
+    rows = live_rows(idx)
+    rows = rows[t.evictable(rows) & t.on_segment(rows, s.ref)]
+    rows = rows[np.argsort(t.recent[rows], kind="stable")]
+    return [t.key(r) for r in rows.tolist()]
+
+
+def replicas(idx: Index) -> set[tuple[int, int, int]]:
+    """(segment id, offset, generation) of every replica the index holds (pending ones too)."""
+    t = idx.table
+    out = set()
+    for r in live_rows(idx).tolist():
+        out.add((idx.segments[int(t.seg[r])].spec.segment_id, int(t.off[r]), int(t.gen[r])))
+        for i in t.copies.of(r):
+            out.add((idx.segments[int(t.copies.seg[i])].spec.segment_id, int(t.copies.off[i]), int(t.copies.gen[i])))
+    return out
+
+
 def snapshot(idx: Index, counters: bool = True):
     """Everything observable about the index's state, for 'nothing changed' checks."""
+    t = idx.table
     segs = {}
     for did, d in idx.daemons.items():
         segs[did] = (
@@ -127,29 +187,38 @@ def snapshot(idx: Index, counters: bool = True):
                 sid: (
                     s.alloc.used,
                     sorted(s.alloc._by_start.items()),
-                    list(s.lru),
+                    lru(idx, s),
                     s.blocks,
                     s.pinned,
                     s.leased,
+                    s.quarantined,
                 )
                 for sid, s in d.segments.items()
             },
         )
-    entries = {
-        key: (
-            e.complete,
-            e.pinned,
-            e.put_id,
-            None
-            if e.replica is None
-            else (e.replica.offset, e.replica.size, e.replica.leases, e.replica.checksum, e.replica.gen),
+    blocks = {
+        t.key(r): (
+            int(t.seg[r]),
+            int(t.flags[r]),
+            int(t.off[r]),
+            int(t.size[r]),
+            int(t.length[r]),
+            int(t.leases[r]),
+            int(t.csum[r]),
+            int(t.gen[r]),
+            [
+                (int(t.copies.seg[i]), int(t.copies.off[i]), int(t.copies.size[i]), int(t.copies.gen[i]))
+                for i in t.copies.of(r)
+            ],
         )
-        for key, e in idx.entries.items()
+        for r in live_rows(idx).tolist()
     }
-    puts = {pid: (p.deadline, list(p.keys), [e.key for e in p.entries]) for pid, p in idx.puts.items()}
-    leases = {lid: (lease.deadline, [id(r) for r in lease.replicas]) for lid, lease in idx.leases.items()}
+    puts = {
+        pid: (p.deadline, p.keys, [t.key(r) for r in p.rows.tolist()], p.gens.tolist()) for pid, p in idx.puts.items()
+    }
+    leases = {lid: (lease.deadline, lease.rows.tolist(), lease.gens.tolist()) for lid, lease in idx.leases.items()}
     tombstones = {did: list(ts) for did, ts in idx.tombstones.items()}
-    return segs, entries, puts, leases, tombstones, (dict(idx.counters) if counters else None)
+    return segs, blocks, puts, leases, tombstones, (dict(idx.counters) if counters else None)
 
 
 # ---- registration -------------------------------------------------------------------------------
@@ -161,8 +230,8 @@ def test_register_daemon_creates_empty_segments():
     assert d.deadline == clock.now() + idx.limits.daemon_ttl_s
     s = seg(idx)
     assert s.alloc.capacity == 8 * ALIGN and s.alloc.used == 0
-    assert s.blocks == 0 and not s.lru
-    assert idx.entries == {}
+    assert s.blocks == 0 and not lru(idx, s)
+    assert len(idx) == 0
 
 
 @pytest.mark.parametrize(
@@ -207,12 +276,12 @@ def test_put_start_allocates_and_commit_makes_visible():
     assert r.deadline == idx.limits.put_timeout_s
     assert r.put_id in idx.puts
     assert len(r.placements) == 3
-    offs = [p.offset for p in r.placements]
+    offs = [p.offset for p in places(idx, r)]
     sizes = [extent_size(n) for n in (BLK, 10, 2 * BLK)]
     spans = sorted(zip(offs, sizes, strict=True))
     for (a, sa), (b, _) in itertools.pairwise(spans):
         assert a + sa <= b, "placements overlap"
-    for p, length in zip(map(L, r.placements), (BLK, 10, 2 * BLK), strict=True):
+    for p, length in zip(map(L, places(idx, r)), (BLK, 10, 2 * BLK), strict=True):
         assert p.daemon_id == "d1"
         assert p.segment_id == SEG
         assert p.length == length
@@ -220,9 +289,11 @@ def test_put_start_allocates_and_commit_makes_visible():
         assert p.offset % ALIGN == 0
     assert seg(idx).alloc.used == sum(sizes)
     # Every placement has its own generation, carried in its 40-byte location row.
-    gens = [p.gen for p in r.placements]
+    gens = [p.gen for p in places(idx, r)]
     assert len(set(gens)) == 3 and all(g > 0 for g in gens)
-    assert ROW.size == 40 and [ROW.unpack(p.row)[-1] for p in r.placements] == gens
+    assert ROW.size == 40 and [ROW.unpack(p.row)[-1] for p in places(idx, r)] == gens
+    packed = idx.location_rows(r.placements)
+    assert [ROW.unpack_from(packed, i * ROW.size)[-1] for i in range(3)] == gens
     idx.check_integrity()
     # Pending: invisible to every reader.
     assert hits(idx, 0, 1, 2) == 0
@@ -238,8 +309,11 @@ def test_put_start_allocates_and_commit_makes_visible():
     assert [(loc.offset, loc.length, loc.checksum) for loc in locs] == list(
         zip(offs, (BLK, 10, 2 * BLK), (11, 12, 13), strict=True)
     )
-    rows = [ROW.unpack(x.row) for x in idx.lookup(pk(0, 1, 2), with_locations=True)[2]]
+    found = idx.lookup(pk(0, 1, 2), with_locations=True)[2]
+    rows = [ROW.unpack(x.row) for x in idx.locations(found)]
     assert [(row[2], row[4], row[5]) for row in rows] == list(zip(offs, (11, 12, 13), gens, strict=True))
+    packed = idx.location_rows(found)
+    assert [ROW.unpack_from(packed, i * ROW.size) for i in range(3)] == rows
     idx.check_integrity()
 
 
@@ -280,7 +354,7 @@ def test_put_of_only_existing_keys_reserves_nothing():
     before_used = seg(idx).alloc.used
     r = idx.put_start(pk(0, 1), [BLK, BLK])
     assert r.status == [SKIP_EXISTS, SKIP_EXISTS]
-    assert r.placements == []
+    assert len(r.placements) == 0
     assert r.put_id not in idx.puts
     assert seg(idx).alloc.used == before_used
     idx.check_integrity()
@@ -308,6 +382,7 @@ def test_commit_with_written_flags_frees_unwritten_blocks():
 def test_commit_begin_end_failed_outcomes_are_released_and_never_visible():
     idx, _ = make(slots=8)
     r = idx.put_start(pk(0, 1, 2, 3), [BLK] * 4)
+    placed = places(idx, r)
     pc = idx.put_commit_begin(r.put_id, [10, 11, 12, 13], written=[True, True, True, False])
     assert r.put_id not in idx.puts  # out of the reservation table: its deadline no longer applies
     assert pc.status == [CommitStatus.OK] * 3 + [CommitStatus.NOT_WRITTEN]
@@ -325,7 +400,7 @@ def test_commit_begin_end_failed_outcomes_are_released_and_never_visible():
     idx.check_integrity()
     # The daemon may have sealed a block whose commit failed: those leave tombstones, the
     # never-written one does not.
-    assert sorted(t.gen for t in idx.take_tombstones()["d1"]) == sorted(p.gen for p in r.placements[1:3])
+    assert sorted(t.gen for t in idx.take_tombstones()["d1"]) == sorted(p.gen for p in placed[1:3])
     assert put(idx, 1, 2, 3) == [ALLOCATED] * 3
 
 
@@ -336,7 +411,7 @@ def test_commit_end_stored_size_shrinks_the_extent():
     pc = idx.put_commit_begin(r.put_id, [1, 2, 3])
     outcome = {0: (CommitStatus.OK, ALIGN), 1: (CommitStatus.OK, ALIGN + 1)}  # 1: not aligned, ignored
     assert idx.put_commit_end(pc, outcome) == (3, [CommitStatus.OK] * 3)
-    assert [x.size for x in r.placements] == [ALIGN, 3 * ALIGN, 3 * ALIGN]
+    assert [x.size for x in places(idx, r)] == [ALIGN, 3 * ALIGN, 3 * ALIGN]
     assert [loc.length for loc in locs_of(idx, 0, 1, 2)] == [size] * 3  # the payload is the same
     assert seg(idx).alloc.used == 7 * ALIGN
     idx.check_integrity()
@@ -359,7 +434,7 @@ def test_commit_end_after_the_daemon_dropped_is_unavailable(how):
         assert idx.expire()["daemons"] == 1
     else:
         # It restarted after committing block 0 (its inventory says so), before block 1.
-        p0 = r.placements[0]
+        p0 = places(idx, r)[0]
         assert idx.register_daemon(dspec(), {SEG: [InventoryItem(k(0), p0.offset, BLK, 1, gen=p0.gen)]}) == 0
     n, status = idx.put_commit_end(pc)
     assert n == 0 and status == [CommitStatus.UNAVAILABLE] * 2
@@ -393,7 +468,7 @@ def test_abort_frees_reservation():
     idx.heartbeat("d1")
     idx.expire()
     assert seg(idx).alloc.used == 0 and seg(idx).quarantined == 0
-    assert idx.entries == {}
+    assert len(idx) == 0
     assert hits(idx, 0) == 0
     with pytest.raises(Expired):
         idx.put_commit(r.put_id, [1, 2])
@@ -418,7 +493,7 @@ def test_put_start_with_no_daemon_is_unavailable():
     idx = Index(IndexLimits(), FakeClock())
     with pytest.raises(Unavailable, match="no live daemon"):
         idx.put_start(pk(0), [BLK])
-    assert idx.entries == {} and idx.puts == {}
+    assert len(idx) == 0 and idx.puts == {}
 
 
 def test_put_start_partial_no_space_keeps_chain_order():
@@ -456,11 +531,11 @@ def test_placement_prefers_same_host_then_most_free():
     idx.register_daemon(dspec("a", slots=4, host="ha"), {})
     idx.register_daemon(dspec("b", slots=8, host="hb"), {})
     r = idx.put_start(pk(0), [BLK], host_id="ha")
-    assert L(r.placements[0]).daemon_id == "a"
+    assert L(places(idx, r)[0]).daemon_id == "a"
     r2 = idx.put_start(pk(1), [BLK], host_id="elsewhere")
-    assert L(r2.placements[0]).daemon_id == "b"  # the one with more free space
+    assert L(places(idx, r2)[0]).daemon_id == "b"  # the one with more free space
     r3 = idx.put_start(pk(2), [BLK], host_id="ha", exclude=["a"])
-    assert L(r3.placements[0]).daemon_id == "b"
+    assert L(places(idx, r3)[0]).daemon_id == "b"
     with pytest.raises(Unavailable, match="excluded: a, b"):
         idx.put_start(pk(3), [BLK], exclude=["a", "b"])
     idx.check_integrity()
@@ -472,11 +547,11 @@ def test_placement_prefers_dram_and_falls_back_to_ssd():
     spec = DaemonSpec("d", "h", "x", "y", (SegmentSpec(5, Tier.SSD, 64 * 4096),))
     idx.register_daemon(spec, {})
     r = idx.put_start(pk(0), [BLK])
-    assert L(r.placements[0]).tier == Tier.SSD and L(r.placements[0]).offset % 4096 == 0
+    assert L(places(idx, r)[0]).tier == Tier.SSD and L(places(idx, r)[0]).offset % 4096 == 0
     idx.put_abort(r.put_id)
     idx.register_daemon(dspec("d", slots=2, extra=(SegmentSpec(5, Tier.SSD, 64 * ALIGN),)), {})
     r = idx.put_start(pk(0), [BLK])
-    assert L(r.placements[0]).segment_id == SEG and L(r.placements[0]).tier == Tier.DRAM
+    assert L(places(idx, r)[0]).segment_id == SEG and L(places(idx, r)[0]).tier == Tier.DRAM
     idx.check_integrity()
 
 
@@ -491,11 +566,11 @@ def _fill_one_by_one(idx: Index, ids) -> None:
 def test_lookup_does_not_change_eviction_order():
     idx, _ = make(slots=4)
     _fill_one_by_one(idx, [0, 1, 2, 3])
-    lru_before = list(seg(idx).lru)
+    lru_before = lru(idx, seg(idx))
     for _ in range(5):
         assert hits(idx, 0) == 1
         idx.lookup(pk(0, 1, 2, 3), per_key=True)
-    assert list(seg(idx).lru) == lru_before
+    assert lru(idx, seg(idx)) == lru_before
     put(idx, 4)
     assert present(idx, 0, 1, 2, 3, 4) == [False, True, True, True, True]  # 0 was still the oldest
     idx.check_integrity()
@@ -528,12 +603,12 @@ def test_acquire_returns_leading_run_and_locations():
     put(idx, 0, 1, 2)
     a = idx.acquire(pk(0, 1, 5, 2), ttl_s=4)
     assert a.hit_count == 2 and a.lease_id != 0 and a.ttl == 4
-    assert [L(loc).checksum for loc in a.locations] == [1000, 1001]
+    assert [L(loc).checksum for loc in idx.locations(a.locations)] == [1000, 1001]
     assert idx.leases[a.lease_id].deadline == clock.now() + 4
     assert seg(idx).leased == 2
     idx.check_integrity()
     miss = idx.acquire(pk(7, 0))
-    assert miss.hit_count == 0 and miss.lease_id == 0 and miss.locations == []
+    assert miss.hit_count == 0 and miss.lease_id == 0 and len(miss.locations) == 0
     assert len(idx.leases) == 1
     default = idx.acquire(pk(0))
     assert default.ttl == idx.limits.lease_ttl_s
@@ -585,12 +660,12 @@ def test_same_key_leased_twice_needs_both_releases():
     assert seg(idx).leased == 1
     idx.release(a.lease_id)
     put(idx, 1)
-    assert list(seg(idx).lru) == [k(1)]  # 0 is still leased by b
+    assert lru(idx, seg(idx)) == [k(1)]  # 0 is still leased by b
     idx.check_integrity()
     put(idx, 2)  # must evict 1, not the leased 0
     assert present(idx, 0, 1, 2) == [True, False, True]
     idx.release(b.lease_id)
-    assert k(0) in seg(idx).lru
+    assert k(0) in lru(idx, seg(idx))
     idx.check_integrity()
 
 
@@ -619,7 +694,7 @@ def test_release_with_corrupt_index_drops_that_replica():
     idx, _ = make(slots=8)
     put(idx, 0, 1, 2, 3)
     a = idx.acquire(pk(0, 1, 2, 3))
-    rep2 = a.locations[2]
+    rep2 = idx.locations(a.locations)[2]
     assert idx.take_tombstones() == {}
     idx.release(a.lease_id, corrupt=[2])
     assert hits(idx, 0, 1, 2, 3) == 2
@@ -707,16 +782,16 @@ def test_pinned_and_leased_key_stays_unevictable_after_release():
     a = idx.acquire(pk(0))
     idx.pin(pk(0))
     idx.release(a.lease_id)
-    assert k(0) not in seg(idx).lru
+    assert k(0) not in lru(idx, seg(idx))
     put(idx, 1)
     put(idx, 2)
     assert present(idx, 0) == [True]
     # Unpin while leased: evictable only once the lease ends.
     b = idx.acquire(pk(0))
     idx.pin(pk(0), pinned=False)
-    assert k(0) not in seg(idx).lru
+    assert k(0) not in lru(idx, seg(idx))
     idx.release(b.lease_id)
-    assert k(0) in seg(idx).lru
+    assert k(0) in lru(idx, seg(idx))
     idx.check_integrity()
 
 
@@ -782,7 +857,7 @@ def test_put_start_does_not_evict_a_skip_exists_key_of_the_same_batch():
 def test_remove_frees_and_leaves_a_tombstone_taken_once():
     idx, _ = make(slots=4)
     put(idx, 0, 1)
-    rep0 = idx.entries[k(0)].replica
+    rep0 = where(idx, 0)
     assert idx.remove(pk(0, 7)) == 1
     assert idx.remove(pk(0)) == 0
     assert present(idx, 0, 1) == [False, True]
@@ -808,7 +883,7 @@ def test_remove_of_leased_key_is_invisible_at_once_and_freed_after_release():
     idx, _ = make(slots=2)
     put(idx, 0)
     a = idx.acquire(pk(0))
-    off = a.locations[0].offset
+    off = idx.locations(a.locations)[0].offset
     assert idx.remove(pk(0)) == 1
     assert hits(idx, 0) == 0
     assert idx.acquire(pk(0)).lease_id == 0
@@ -816,7 +891,7 @@ def test_remove_of_leased_key_is_invisible_at_once_and_freed_after_release():
     idx.check_integrity()
     # The key can be put again at once, but never over the leased extent.
     r = idx.put_start(pk(0), [BLK])
-    assert r.status == [ALLOCATED] and r.placements[0].offset != off
+    assert r.status == [ALLOCATED] and places(idx, r)[0].offset != off
     idx.put_commit(r.put_id, [9])
     assert seg(idx).alloc.used == 2 * ALIGN
     assert idx.pin(pk(0)) == 1
@@ -845,7 +920,7 @@ def test_writer_crash_reclaimed_at_deadline():
     idx.heartbeat("d1")
     assert idx.expire() == {"daemons": 0, "puts": 1, "leases": 0, "engines": 0}
     assert idx.counters["expired_puts"] == 1
-    assert idx.entries == {} and idx.puts == {}
+    assert len(idx) == 0 and idx.puts == {}
     assert seg(idx).alloc.used == 3 * ALIGN  # held back until the put's write tickets lapse
     assert seg(idx).blocks == 0
     assert hits(idx, 0) == 0
@@ -888,7 +963,7 @@ def test_daemon_without_heartbeat_is_dropped_with_its_replicas():
     assert idx.counters["daemons_lost"] == 1
     assert "d1" not in idx.daemons
     assert hits(idx, 0) == 0 and hits(idx, 1) == 0 and hits(idx, 5) == 0
-    assert idx.entries == {}
+    assert len(idx) == 0
     assert idx.heartbeat("d1") is False
     idx.check_integrity()
     # Stale handles of the lost daemon are harmless.
@@ -930,7 +1005,7 @@ def test_one_daemon_lost_others_keep_serving():
     idx.check_integrity()
     # Writers land on the survivor.
     r = idx.put_start(pk(0), [BLK])
-    assert L(r.placements[0]).daemon_id == "b"
+    assert L(places(idx, r)[0]).daemon_id == "b"
     idx.check_integrity()
 
 
@@ -964,7 +1039,7 @@ def test_reregistration_with_inventory_rebuilds_entries_and_allocator():
             r = idx.put_start(pk(i), [BLK])
         except ResourceExhausted:
             break
-        off = r.placements[0].offset
+        off = places(idx, r)[0].offset
         for lo, hi in taken:
             assert off + ALIGN <= lo or hi <= off, "new extent overlaps an inventory extent"
         idx.put_commit(r.put_id, [0])
@@ -1019,7 +1094,7 @@ def test_reregistration_resets_liveness_and_drops_pending_puts():
     pending = idx.put_start(pk(0), [BLK])
     clock.advance(2.5)
     idx.register_daemon(dspec(), {})
-    assert idx.entries == {}
+    assert len(idx) == 0
     clock.advance(2.5)
     assert idx.expire()["daemons"] == 0  # re-registration counts as a heartbeat
     assert idx.put_commit(pending.put_id, [1]) == 0
@@ -1031,10 +1106,11 @@ def test_reregistration_with_a_leased_replica():
     idx, _ = make(slots=4)
     put(idx, 0)
     a = idx.acquire(pk(0))
-    off, gen = a.locations[0].offset, a.locations[0].gen
+    (old,) = idx.locations(a.locations)
+    off, gen = old.offset, old.gen
     # The daemon restarted and still holds the block at the same place.
     idx.register_daemon(dspec(slots=4), _inventory([(0, off, BLK)], gen0=gen))
-    assert hits(idx, 0) == 1 and idx.entries[k(0)].replica.gen == gen
+    assert hits(idx, 0) == 1 and where(idx, 0).gen == gen
     idx.check_integrity()
     idx.release(a.lease_id, corrupt=[0])  # the old replica is gone: the adopted one stays
     assert hits(idx, 0) == 1
@@ -1054,7 +1130,7 @@ def test_tombstones_for_evicted_blocks_taken_once():
     idx, _ = make(slots=2)
     put(idx, 0)
     put(idx, 1)
-    reps = [idx.entries[k(i)].replica for i in (0, 1)]
+    reps = [where(idx, i) for i in (0, 1)]
     put(idx, 2)
     put(idx, 3)
     assert idx.counters["evictions"] == 2
@@ -1063,7 +1139,7 @@ def test_tombstones_for_evicted_blocks_taken_once():
     assert idx.take_tombstones() == {"d1": want}
     assert idx.take_tombstones() == {}
     # The newer blocks reuse the extents under other generations: a late tombstone cannot hit them.
-    new = {(r.offset, r.gen) for r in (idx.entries[k(2)].replica, idx.entries[k(3)].replica)}
+    new = {(r.offset, r.gen) for r in (where(idx, 2), where(idx, 3))}
     assert {o for o, _ in new} == {t.offset for t in want}
     assert not new & {(t.offset, t.gen) for t in want}
     idx.check_integrity()
@@ -1086,7 +1162,7 @@ def test_pending_replicas_leave_no_tombstone():
 def test_undelivered_tombstones_come_back_and_outlive_the_daemons_loss():
     idx, clock = make(slots=4, daemon_ttl_s=3.0)
     put(idx, 0, 1, 2)
-    reps = {i: idx.entries[k(i)].replica for i in (0, 1, 2)}
+    reps = {i: where(idx, i) for i in (0, 1, 2)}
     t0, t1 = (Tombstone(SEG, k(i), reps[i].offset, reps[i].gen) for i in (0, 1))
     idx.remove(pk(0))
     taken = idx.take_tombstones()
@@ -1110,7 +1186,7 @@ def test_undelivered_tombstones_come_back_and_outlive_the_daemons_loss():
 def test_register_daemon_rejects_a_tombstoned_item_and_adopts_another_generation():
     idx, _ = make(slots=4)
     put(idx, 0)
-    r = idx.entries[k(0)].replica
+    r = where(idx, 0)
     assert r.offset == 0
     idx.remove(pk(0))  # its tombstone is not delivered yet
     item = InventoryItem(k(0), r.offset, BLK, 1000, gen=r.gen)
@@ -1122,10 +1198,10 @@ def test_register_daemon_rejects_a_tombstoned_item_and_adopts_another_generation
     # The same key at the same offset under another generation is a newer write: adopted.
     newer = 1 << 62  # above any clock-drawn generation
     assert idx.register_daemon(dspec(slots=4), {SEG: [item._replace(gen=newer)]}) == 0
-    assert hits(idx, 0) == 1 and idx.entries[k(0)].replica.gen == newer
+    assert hits(idx, 0) == 1 and where(idx, 0).gen == newer
     assert idx.take_tombstones() == {"d1": [Tombstone(SEG, k(0), r.offset, r.gen)]}
     # Generations drawn later are above every adopted one.
-    assert idx.put_start(pk(1), [BLK]).placements[0].gen > newer
+    assert places(idx, idx.put_start(pk(1), [BLK]))[0].gen > newer
     idx.check_integrity()
 
 
@@ -1141,12 +1217,12 @@ def test_demotion_frees_the_dram_source_with_a_tombstone():
     idx = Index(IndexLimits(), FakeClock())
     idx.register_daemon(dspec(slots=4, extra=(SegmentSpec(SEG + 1, Tier.SSD, 8 * SSD_ALIGN),)), {})
     put(idx, 0, 1, 2, 3)  # DRAM full, above its high watermark; 3 (the chain's tail) is coldest
-    src = idx.entries[k(3)].replica
+    src = where(idx, 3)
     (mv,) = idx.plan_moves()["d1"]
-    assert mv.demote and mv.src is src and mv.dst.gen != src.gen
+    assert mv.demote and mv.src == src and mv.row == row_of(idx, k(3)) and mv.dst.gen != src.gen
     assert idx.tombstones == {}
     idx.finish_move(mv.move_id, True)
-    assert L(idx.entries[k(3)].replica).tier == Tier.SSD and hits(idx, 0, 1, 2, 3) == 4
+    assert L(where(idx, 3)).tier == Tier.SSD and hits(idx, 0, 1, 2, 3) == 4
     assert idx.take_tombstones() == {"d1": [Tombstone(SEG, k(3), src.offset, src.gen)]}
     idx.check_integrity()
 
@@ -1156,20 +1232,29 @@ def test_a_demoted_source_a_reader_holds_is_tombstoned_at_once_and_its_extent_ke
     # at once (a tombstone held back for the lease would be lost with a restart of the service,
     # and the copy adopted again from the daemon's inventory); the extent is not reused until
     # the lease ends. A TCP reader that finds it gone asks the index again (kvstore.client.reads).
-    idx = Index(IndexLimits(), FakeClock())
+    clock = FakeClock()
+    idx = Index(IndexLimits(), clock)
     idx.register_daemon(dspec(slots=4, extra=(SegmentSpec(SEG + 1, Tier.SSD, 8 * SSD_ALIGN),)), {})
     put(idx, 0, 1, 2, 3)
     (mv,) = idx.plan_moves()["d1"]
     src = mv.src
     a = idx.acquire(pk(0, 1, 2, 3))
-    assert a.locations[3] is src
+    assert a.locations[3] == mv.row and idx.locations(a.locations)[3] == src
     idx.finish_move(mv.move_id, True)
-    assert L(idx.entries[k(3)].replica).tier == Tier.SSD
+    assert L(where(idx, 3)).tier == Tier.SSD
     assert idx.take_tombstones() == {"d1": [Tombstone(SEG, k(3), src.offset, src.gen)]}
     used = seg(idx).alloc.used
+    assert seg(idx).quarantined == src.size
     idx.release(a.lease_id)
     assert idx.take_tombstones() == {}
-    assert seg(idx).alloc.used == used - src.size
+    # The lease follows its row to SSD, so the DRAM extent is held until the last lease on the
+    # block can have ended (its deadline), not until its release (kvstore/meta/tiers.py).
+    assert seg(idx).alloc.used == used
+    idx.check_integrity()
+    clock.advance(idx.limits.lease_ttl_s + 0.1)
+    idx.heartbeat("d1")
+    idx.expire()
+    assert seg(idx).alloc.used == used - src.size and seg(idx).quarantined == 0
     idx.check_integrity()
 
 
@@ -1196,8 +1281,9 @@ def test_plan_moves_skips_daemons_with_a_batch_under_way_and_keeps_their_promoti
     assert idx.plan_moves(skip={"d1"}) == {} and not idx.moves  # skipped: nothing planned or leased
     (mv,) = idx.plan_moves()["d1"]
     idx.finish_move(mv.move_id, True)
-    idx.promote_queue[k(3)] = None  # read from SSD: to be promoted
-    assert idx.plan_moves(skip={"d1"}) == {} and k(3) in idx.promote_queue  # kept for later
+    row = row_of(idx, k(3))
+    idx.promote_queue[row] = where(idx, 3).gen  # read from SSD: to be promoted
+    assert idx.plan_moves(skip={"d1"}) == {} and row in idx.promote_queue  # kept for later
     idx.check_integrity()
 
 
@@ -1310,7 +1396,7 @@ def test_nan_lease_ttl_refused():
 def test_check_integrity_catches_broken_accounting():
     idx, _ = make()
     put(idx, 0, 1)
-    seg(idx).lru.pop(k(0))  # an evictable block missing from the LRU
+    idx.table.leases[row_of(idx, k(0))] += 1  # an evictable block kept from eviction by no lease
     with pytest.raises(AssertionError):
         idx.check_integrity()
     idx2, _ = make()
@@ -1343,19 +1429,19 @@ def _check_model(idx: Index, m: Model) -> None:
     idx.check_integrity()
     assert set(idx.puts) == set(m.puts)
     assert set(idx.leases) == set(m.leases)
+    t = idx.table
     for key in m.pinned:
-        e = idx.entries.get(key)
-        assert e is not None and e.complete and e.pinned, "a pinned block disappeared"
+        row = row_of(idx, key)
+        assert row >= 0 and t.flags[row] & READY and t.flags[row] & PINNED, "a pinned block disappeared"
     for _, _, valid in m.leases.values():
         for key, ok in valid.items():
             if ok:
-                e = idx.entries.get(key)
-                assert e is not None and e.complete, "a leased block disappeared"
+                assert status_of(idx, key) is True, "a leased block disappeared"
     for pid, (_, items) in m.puts.items():
         for key, _ in items:
             if (pid, key) not in m.lost:
-                e = idx.entries.get(key)
-                assert e is not None and not e.complete and e.put_id == pid, "a pending block disappeared"
+                row = row_of(idx, key)
+                assert status_of(idx, key) is False and row in idx.puts[pid].rows, "a pending block disappeared"
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -1387,7 +1473,7 @@ def test_randomized_soak(seed):
         )[0]
         if op == "put":
             keys = pick_keys()
-            before = {key: (e.complete if (e := idx.entries.get(key)) is not None else None) for key in keys}
+            before = {key: status_of(idx, key) for key in keys}
             evictions = idx.counters["evictions"]
             sizes = [rng.choice([1, BLK, BLK, BLK + 1, 2 * BLK, 500]) for _ in keys]
             timeout = rng.choice([0.0, 1.0, 2.0, 6.0])
@@ -1398,7 +1484,7 @@ def test_randomized_soak(seed):
                 for d in idx.daemons.values():
                     for s in d.segments.values():
                         # The request's own stored keys are held out of eviction during its put.
-                        others = [k for k in s.lru if k not in keys]
+                        others = [k for k in lru(idx, s) if k not in keys]
                         assert not others, "ResourceExhausted while something was still evictable"
             else:
                 gap = False
@@ -1424,7 +1510,7 @@ def test_randomized_soak(seed):
                 if placed:
                     m.puts[r.put_id] = (
                         clock.now() + (timeout or idx.limits.put_timeout_s),
-                        [(key, L(p).daemon_id) for key, p in zip(placed, r.placements, strict=True)],
+                        [(key, L(p).daemon_id) for key, p in zip(placed, places(idx, r), strict=True)],
                     )
                 else:
                     assert r.put_id not in idx.puts
@@ -1447,7 +1533,7 @@ def test_randomized_soak(seed):
             else:
                 assert idx.put_abort(pid) == len(alive)
                 for key in alive:
-                    assert key not in idx.entries
+                    assert status_of(idx, key) is None
         elif op == "acquire":
             keys = pick_keys()
             expect = idx.lookup(b"".join(keys))[0]
@@ -1466,20 +1552,19 @@ def test_randomized_soak(seed):
             idx.release(lid, corrupt=corrupt)
             for i in corrupt:
                 if valid[run[i]]:
-                    assert run[i] not in idx.entries, "a corrupt replica is still served"
+                    assert status_of(idx, run[i]) is None, "a corrupt replica is still served"
                     m.forget_key(run[i])
         elif op == "remove":
             keys = pick_keys()
-            expect = sum(1 for key in keys if (e := idx.entries.get(key)) is not None and e.complete)
+            expect = sum(1 for key in keys if status_of(idx, key) is True)
             assert idx.remove(b"".join(keys)) == expect
             for key in keys:
-                e = idx.entries.get(key)
-                assert e is None or not e.complete
+                assert status_of(idx, key) is not True
                 m.forget_key(key)
         elif op in ("pin", "unpin"):
             keys = pick_keys()
             want = op == "pin"
-            complete = [key for key in keys if (e := idx.entries.get(key)) is not None and e.complete]
+            complete = [key for key in keys if status_of(idx, key) is True]
             expect = sum(1 for key in complete if (key in m.pinned) != want)
             assert idx.pin(b"".join(keys), pinned=want) == expect
             if want:
@@ -1490,7 +1575,7 @@ def test_randomized_soak(seed):
             clock.advance(rng.choice([0.0, 0.3, 1.0, 2.5]))
             for did in specs:
                 assert idx.heartbeat(did) is True
-            live = {(r.segment.spec.segment_id, r.offset, r.gen) for e in idx.entries.values() for r in e.replicas}
+            live = replicas(idx)
             for ts in idx.take_tombstones().values():
                 stats["evict"] += len(ts)
                 # A tombstone names a dropped replica exactly: never one the index still holds.
@@ -1504,7 +1589,7 @@ def test_randomized_soak(seed):
                 _, items = m.puts.pop(pid)
                 for key, _ in items:
                     if (pid, key) not in m.lost:
-                        assert key not in idx.entries
+                        assert status_of(idx, key) is None
                 with pytest.raises(Expired):
                     idx.put_commit(pid, [0] * len(items))
                 stats["expired_put"] += 1
@@ -1514,17 +1599,19 @@ def test_randomized_soak(seed):
             # d2 restarts: re-registers with what it holds (its complete blocks), losing pins,
             # leases and reservations; the blocks themselves stay served.
             s2 = seg(idx, "d2")
-            held = [e for e in idx.entries.values() if e.complete and e.replica.segment is s2]
-            reps = [e.replica for e in held]
-            inv = {SEG: [InventoryItem(r.entry.key, r.offset, r.length, r.checksum, gen=r.gen) for r in reps]}
+            t = idx.table
+            rows = live_rows(idx)
+            reps = idx.locations(rows[(t.seg[rows] == s2.ref) & ((t.flags[rows] & READY) != 0)])
+            held = [r.key for r in reps]
+            inv = {SEG: [InventoryItem(r.key, r.offset, r.length, r.checksum, gen=r.gen) for r in reps]}
             for pid, (_, items) in m.puts.items():
                 for key, did in items:
                     if did == "d2":
                         m.lost.add((pid, key))
-            for e in held:
-                m.forget_key(e.key)
+            for key in held:
+                m.forget_key(key)
             assert idx.register_daemon(specs["d2"], inv) == 0
-            assert all(idx.entries[e.key].complete for e in held)
+            assert all(status_of(idx, key) is True for key in held)
         _check_model(idx, m)
 
     # Every kind of event actually happened.
@@ -1539,7 +1626,7 @@ def test_randomized_soak(seed):
     idx.pin(b"".join(key for c in chains for key in c), pinned=False)
     idx.remove(b"".join(key for c in chains for key in c))
     idx.check_integrity()
-    assert idx.entries == {}
+    assert len(idx) == 0
     # What ended puts held comes back once their write tickets lapsed.
     clock.advance(max(idx.limits.put_timeout_s, 6.0) + idx.limits.write_ticket_grace_s + 0.1)
     for did in specs:
@@ -1592,12 +1679,15 @@ def test_losing_a_daemon_touches_only_its_own_replicas():
     for pid in list(idx.puts):
         idx.put_commit(pid, [7])
     pending = idx.put_start(pk(100, 101), [BLK, BLK], host_id="h1")  # reserved on d1, not committed
-    assert all(r.segment.daemon.spec.daemon_id == "d1" for r in pending.placements)
-    d2_keys = [e.key for e in idx.entries.values() if e.replicas[0].segment.daemon.spec.daemon_id == "d2"]
-    assert len(seg(idx, "d1").replicas) == 22 and len(d2_keys) == 20
+    assert all(L(p).daemon_id == "d1" for p in places(idx, pending))
+    t = idx.table
+    rows = live_rows(idx)
+    d2_keys = [x.key for x in idx.locations(rows) if L(x).daemon_id == "d2"]
+    on_d1 = int((t.seg[rows] == seg(idx, "d1").ref).sum())
+    assert on_d1 == 22 and seg(idx, "d1").blocks == 22 and len(d2_keys) == 20
     idx._drop_daemon("d1")
     idx.check_integrity()
-    assert sorted(idx.entries) == sorted(d2_keys)
+    assert sorted(live_keys(idx)) == sorted(d2_keys)
     assert idx.put_commit(pending.put_id, [1, 2]) == 0  # its reservations went with the daemon
     assert idx.lookup(pk(100))[0] == 0
 
@@ -1620,9 +1710,9 @@ def test_registration_in_steps_takes_no_puts_until_adopted_and_can_be_superseded
     inv = _inventory([(i, i * ALIGN, BLK) for i in range(5)], gen0=10)
     steps = idx.register_daemon_steps(dspec("d2", slots=8, host="h2"), inv, chunk=2)
     next(steps)  # one step in: part adopted, the daemon known but not placeable
-    assert idx.daemons["d2"].adopting and hits(idx, 0, 1, 2) == 1
+    assert idx.daemons["d2"].adopting and hits(idx, 0, 1, 2) == 2  # a chunk of 2
     r = idx.put_start(pk(50), [BLK], host_id="h2")
-    assert r.placements[0].segment.daemon.spec.daemon_id == "d1"  # not on the adopting daemon
+    assert L(places(idx, r)[0]).daemon_id == "d1"  # not on the adopting daemon
     assert idx.plan_moves() == {}
     clock.advance(idx.limits.daemon_ttl_s * 0.9)
     idx.heartbeat("d1")

@@ -1,4 +1,4 @@
-"""Both indexes (kvstore.meta.index, kvstore.meta.compact) hold back the extents of a put that ends
+"""The index (kvstore.meta.index) holds back the extents of a put that ends
 uncommitted until its write tickets can no longer be honoured (kvstore.meta.quarantine): an
 aborted, expired or unwritten block's bytes go to no other put before the put's deadline plus
 the tickets' grace, on the index clock; the accounting holds throughout; a lost daemon's held
@@ -6,19 +6,18 @@ extents go with it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvstore import tickets
 from kvstore.errors import Expired, ResourceExhausted
 from kvstore.extent import ALIGN, HEADER_SIZE
-from kvstore.meta.compact import CompactIndex
 from kvstore.meta.index import CommitStatus, DaemonSpec, Index, IndexLimits, SegmentSpec, Tier
-from kvstore.meta.records import WRITE_TICKET_GRACE_S
+from kvstore.meta.records import WRITE_TICKET_GRACE_S, Segment
 from tests.unit.test_index import FakeClock
 
 BLK = ALIGN - HEADER_SIZE
 TIMEOUT = 5.0
-BOTH = pytest.mark.parametrize("make", [Index, CompactIndex], ids=["object", "compact"])
 
 
 def key(i: int) -> bytes:
@@ -30,24 +29,22 @@ def spec(daemon_id: str = "d1", slots: int = 4) -> DaemonSpec:
     return DaemonSpec(daemon_id, f"h-{daemon_id}", f"{daemon_id}:data", f"{daemon_id}:ctl", (seg,))
 
 
-def setup(make, slots: int = 4):  # noqa: ANN001, ANN201
+def setup(slots: int = 4) -> tuple[Index, FakeClock]:
     clock = FakeClock()
-    ix = make(IndexLimits(cache_policy="lru"), clock)
+    ix = Index(IndexLimits(cache_policy="lru"), clock)
     ix.register_daemon(spec(slots=slots), {})
     return ix, clock
 
 
-def seg(ix):  # noqa: ANN001, ANN201
+def seg(ix: Index) -> Segment:
     return ix.daemons["d1"].segments[1]
 
 
-def offsets(ix, placements) -> list[int]:  # noqa: ANN001
-    if isinstance(ix, CompactIndex):
-        return [x.offset for x in ix.locations(placements)]
-    return [r.offset for r in placements]
+def offsets(ix: Index, placements: np.ndarray) -> list[int]:
+    return [x.offset for x in ix.locations(placements)]
 
 
-def tick(ix, clock, seconds: float) -> None:  # noqa: ANN001
+def tick(ix: Index, clock: FakeClock, seconds: float) -> None:
     clock.advance(seconds)
     for d in list(ix.daemons):
         ix.heartbeat(d)
@@ -55,7 +52,7 @@ def tick(ix, clock, seconds: float) -> None:  # noqa: ANN001
     ix.check_integrity()
 
 
-def end_uncommitted(ix, clock, how: str, put_id: int) -> None:  # noqa: ANN001
+def end_uncommitted(ix: Index, clock: FakeClock, how: str, put_id: int) -> None:
     if how == "abort":
         assert ix.put_abort(put_id) == 1
     elif how == "expire":
@@ -75,10 +72,9 @@ def test_the_grace_covers_the_tickets_skew_and_the_rounding_of_their_expiry() ->
     assert IndexLimits().write_ticket_grace_s == WRITE_TICKET_GRACE_S
 
 
-@BOTH
 @pytest.mark.parametrize("how", ["abort", "expire", "commit_late", "not_written"])
-def test_an_ended_puts_extent_goes_to_no_other_put_until_its_write_tickets_lapse(make, how: str) -> None:  # noqa: ANN001
-    ix, clock = setup(make)
+def test_an_ended_puts_extent_goes_to_no_other_put_until_its_write_tickets_lapse(how: str) -> None:
+    ix, clock = setup()
     s = seg(ix)
     p = ix.put_start(key(0), [BLK], timeout_s=TIMEOUT)
     (off,) = offsets(ix, p.placements)
@@ -105,9 +101,8 @@ def test_an_ended_puts_extent_goes_to_no_other_put_until_its_write_tickets_lapse
     ix.check_integrity()
 
 
-@BOTH
-def test_held_extents_are_not_evictable_space(make) -> None:  # noqa: ANN001
-    ix, clock = setup(make, slots=2)
+def test_held_extents_are_not_evictable_space() -> None:
+    ix, clock = setup(slots=2)
     p = ix.put_start(key(0) + key(1), [BLK, BLK], timeout_s=TIMEOUT)
     assert ix.put_abort(p.put_id) == 2
     # Nothing to evict, nothing free: the segment is full until the tickets lapse.
@@ -120,7 +115,7 @@ def test_held_extents_are_not_evictable_space(make) -> None:  # noqa: ANN001
 
 
 def test_blocks_whose_commit_the_daemon_refused_are_held_back_too() -> None:
-    ix, clock = setup(Index)
+    ix, clock = setup()
     s = seg(ix)
     p = ix.put_start(key(0) + key(1), [BLK, BLK], timeout_s=TIMEOUT)
     pc = ix.put_commit_begin(p.put_id, [1, 2])
@@ -133,12 +128,9 @@ def test_blocks_whose_commit_the_daemon_refused_are_held_back_too() -> None:
     ix.check_integrity()
 
 
-@BOTH
 @pytest.mark.parametrize("how", ["lost", "drained"])
-def test_a_lost_daemons_held_extents_go_with_it(make, how: str) -> None:  # noqa: ANN001
-    if how == "drained" and make is CompactIndex:
-        pytest.skip("the compact index has no drain")
-    ix, clock = setup(make)
+def test_a_lost_daemons_held_extents_go_with_it(how: str) -> None:
+    ix, clock = setup()
     p = ix.put_start(key(0) + key(1), [BLK, BLK], timeout_s=TIMEOUT)
     assert ix.put_abort(p.put_id) == 2
     old = seg(ix)
@@ -163,9 +155,8 @@ def test_a_lost_daemons_held_extents_go_with_it(make, how: str) -> None:  # noqa
     ix.check_integrity()
 
 
-@BOTH
-def test_many_ended_puts_are_released_in_deadline_order(make) -> None:  # noqa: ANN001
-    ix, clock = setup(make, slots=16)
+def test_many_ended_puts_are_released_in_deadline_order() -> None:
+    ix, clock = setup(slots=16)
     s = seg(ix)
     ids = []
     for i in range(8):

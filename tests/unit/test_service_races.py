@@ -12,7 +12,6 @@ import pytest
 from kvstore.errors import Unavailable
 from kvstore.extent import ALIGN, HEADER_SIZE, SSD_ALIGN
 from kvstore.keys import unpack_keys
-from kvstore.meta.compact import CompactIndex
 from kvstore.meta.daemons import DaemonLink
 from kvstore.meta.index import DaemonSpec, Index, IndexLimits, InventoryItem, SegmentSpec, Tier
 from kvstore.meta.servicer import MetaServicer
@@ -55,8 +54,8 @@ def dram(name: str, host: str, slots: int) -> DaemonSpec:
     return DaemonSpec(name, host, f"{name}:d", f"{name}:c", (SegmentSpec(1, Tier.DRAM, slots * ALIGN, "/dev/shm/x"),))
 
 
-def service() -> tuple[CompactIndex, MetaServicer, list]:
-    ix = CompactIndex(IndexLimits(cache_policy="lru"))
+def service() -> tuple[Index, MetaServicer, list]:
+    ix = Index(IndexLimits(cache_policy="lru"))
     ix.register_daemon(dram("D", "h1", 1), {})
     ix.register_daemon(dram("E", "h2", 8), {})
     log: list = []
@@ -106,15 +105,14 @@ def test_a_commit_whose_daemon_leaves_before_it_is_asked_ends_every_block() -> N
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("kind", ["object", "compact"])
-def test_a_commit_planned_before_its_daemon_registers_again_is_made_for_the_old_registration(kind: str) -> None:
+def test_a_commit_planned_before_its_daemon_registers_again_is_made_for_the_old_registration() -> None:
     """The daemon refuses a call made for a registration it has left (kvstore.daemon.links): a
     commit whose blocks were placed before the daemon registered again must name the
     registration they were placed on, not the one the index knows by the time it is sent."""
 
     async def run() -> None:
         log: list = []
-        ix = (CompactIndex if kind == "compact" else Index)(IndexLimits(cache_policy="lru"))
+        ix = Index(IndexLimits(cache_policy="lru"))
         spec = DaemonSpec("D", "h1", "D:d", "D:c", dram("D", "h1", 4).segments, registration=111)
         ix.register_daemon(spec, {})
         link = DaemonLink(ix, 1.0)
@@ -137,7 +135,7 @@ def test_moves_ended_by_a_new_registration_are_not_sent_to_it() -> None:
     log: list = []
     segs = (SegmentSpec(1, Tier.DRAM, 8 * ALIGN, "/dev/shm/d1"), SegmentSpec(2, Tier.SSD, 16 * SSD_ALIGN, "/data/d1"))
     spec = DaemonSpec("d1", "h1", "d1:data", "d1:ctl", segs)
-    ix = CompactIndex(IndexLimits(cache_policy="lru", dram_high_watermark=0.5, dram_low_watermark=0.25))
+    ix = Index(IndexLimits(cache_policy="lru", dram_high_watermark=0.5, dram_low_watermark=0.25))
     ix.register_daemon(spec, {})
     link = DaemonLink(ix, 1.0)
     link.attach_local("d1", Local("d1", log))
@@ -170,17 +168,14 @@ class Unreachable(Control):
         raise Unavailable("daemon killed")
 
 
-@pytest.mark.parametrize("kind", ["object", "compact"])
-def test_a_daemon_registering_again_while_its_tombstones_are_in_flight_does_not_bring_their_blocks_back(
-    kind: str,
-) -> None:
+def test_a_daemon_registering_again_while_its_tombstones_are_in_flight_does_not_bring_their_blocks_back() -> None:
     # The daemon was killed before the tombstone of a dropped block reached it; a flush is still
     # delivering it when the restarted daemon registers with that block in its inventory. The
     # block stays dropped: adopted, it would be dropped by the daemon once the tombstone arrives
     # while the index goes on handing it out (a miss reported as damage, a prefix cut short).
     async def run() -> None:
         limits = IndexLimits(cache_policy="lru")
-        ix = CompactIndex(limits) if kind == "compact" else Index(limits)
+        ix = Index(limits)
         spec = dram("D", "h1", 8)
         ix.register_daemon(spec, {})
         p = ix.put_start(K[0] + K[1], [BLK, BLK])
@@ -225,7 +220,7 @@ def test_a_cancelled_flush_gives_its_tombstones_back() -> None:
     # tombstones it took go back to the index (to go out with the next flush or heartbeat),
     # not into a batch nobody will finish.
     async def run() -> None:
-        ix = CompactIndex(IndexLimits(cache_policy="lru"))
+        ix = Index(IndexLimits(cache_policy="lru"))
         ix.register_daemon(dram("D", "h1", 8), {})
         p = ix.put_start(K[0], [BLK])
         ix.put_commit(p.put_id, [5])

@@ -1,71 +1,27 @@
-"""The metadata service on the compact index (``meta.index=compact``), with real processes: the
-round trips, eviction order, faults, restarts and tier moves (demotion under pressure, promotion
-on reads, gets racing both, a damaged SSD block, a daemon killed mid-burst) that the service's
-own tests run on the object index, run again here on a service whose every block is a row of the
-block table (kvstore.meta.compact); plus a configuration that asks for a policy the compact
-index does not have is refused, and the service's state and metrics read from the table."""
+"""The metadata service over its block table, with real processes: a configuration that asks for
+a cache policy the service does not have is refused at start, the service's state and metrics
+are read from the table, and a put whose rows are given to another put while it waits keeps its
+own extents."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pytest
 from conftest import REPO, Cluster, wait_until
 
 from kvstore import SyncKVStoreClient
 from kvstore.config import ClientConfig
 from kvstore.errors import Internal
-
-# The same tests, collected again in this module, where every service they start runs the compact
-# index (this module's ``cluster`` fixture; ``store`` builds on it).
-from tests.integration.test_eviction import (  # noqa: F401
-    test_chain_tail_is_evicted_before_head,
-    test_held_lease_is_never_evicted,
-)
-from tests.integration.test_faults import (  # noqa: F401
-    test_daemon_sigkill_turns_blocks_into_misses,
-    test_flipped_byte_is_a_miss_for_the_rest_of_the_chain,
-    test_meta_restart_rebuilds_index_from_daemon,
-    test_writer_killed_between_start_and_commit,
-)
-from tests.integration.test_roundtrip import (  # noqa: F401
-    KS,
-    blocks,
-    test_dedup_skips_stored_and_counts,
-    test_leading_run_and_partial_prefix,
-    test_pin_and_unpin,
-    test_put_get_roundtrip_bytes_identical,
-    test_written_one_way_read_the_other,
-)
-from tests.integration.test_ssd_moves import (  # noqa: F401
-    test_gets_racing_demotion_and_promotion_always_serve_every_block,
-)
-from tests.integration.test_ssd_tier import (  # noqa: F401
-    test_demote_under_pressure_then_promote_on_hit_bytes_identical,
-    test_flipped_byte_on_ssd_is_a_miss_and_the_replica_is_dropped,
-    test_sigkill_during_write_burst_then_restart_serves_committed_blocks,
-)
-
-COMPACT = ("meta.index=compact",)  # with the default cache policy, adaptive
+from tests.integration.test_roundtrip import KS, blocks
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, meta_sets=COMPACT)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def test_a_compact_index_with_an_unknown_cache_policy_is_refused_at_start(tmp_path: Path) -> None:
+def test_an_unknown_cache_policy_is_refused_at_start(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvstore.cli", "meta", "--listen", "127.0.0.1:0",
-         "--set", "meta.index=compact", "--set", "meta.cache_policy=lfu"],
+         "--set", "meta.cache_policy=lfu"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode != 0
@@ -90,7 +46,7 @@ def test_service_state_and_metrics_read_from_the_block_table(cluster: Cluster) -
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{p.info['metrics_port']}/metrics", timeout=10) as r:
-        assert "while the adaptive cache policy" in r.read().decode()  # the compact index's policy
+        assert "while the adaptive cache policy" in r.read().decode()
 
 
 def test_a_put_whose_rows_are_given_to_another_while_it_waits_keeps_its_own_extents(cluster: Cluster) -> None:

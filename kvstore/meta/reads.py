@@ -1,8 +1,7 @@
-"""Reads from the compact index (:class:`kvstore.meta.compact.CompactIndex`): leading-run lookups,
+"""Reads from the index (:class:`kvstore.meta.index.Index`): leading-run lookups,
 leases that pin a run against eviction (a dropped block's extent is freed when its last lease
 ends), touches of chains a client served itself, and where each key is per tier. A mixin over
-the compact index's state (``table``, ``segments``, ``daemons``, ``leases``, ``counters``), as
-the read half of :mod:`kvstore.meta.index` is for the object index.
+the index's state (``table``, ``segments``, ``daemons``, ``leases``, ``counters``).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ class Lease:
     gens: np.ndarray  # the copies read: a row moved to another tier since holds another generation
 
 
-class CompactReads:
+class Reads:
     """Lookup, Acquire, Release, Touch and per-tier lookups over the block table."""
 
     def lookup(
@@ -46,7 +45,9 @@ class CompactReads:
         return n, exists, rows[:n] if with_locations else _NONE
 
     def acquire(self, packed_keys: bytes, ttl_s: float = 0.0) -> AcquireResult:
-        """Leases the leading run of committed keys (see ``Index.acquire``); locations are rows."""
+        """Leases the leading run of committed keys: none of their read replicas is evicted or
+        freed until the lease is released or expires. A run of 0 takes no lease (lease id 0).
+        Blocks served from SSD are queued for promotion to DRAM. Locations are rows."""
         _, rows, ready = self._find(packed_keys)
         ttl = self._timeout(ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s, "lease ttl")
         n = self._run(ready)
@@ -131,7 +132,9 @@ class CompactReads:
         self.table.stamp(rows[self.table.evictable(rows)])
 
     def touch(self, chains: list[bytes]) -> int:
-        """Reads a client served itself (see ``Index.touch``). Returns how many keys are stored."""
+        """Reads that a client served itself from locations it held (no lease): each packed chain
+        counts for the cache policy as an :meth:`acquire` of it would (access counts, recency tail
+        first, SSD blocks queued for promotion). Returns how many of the keys are stored."""
         total, found = 0, []
         for i, packed in enumerate(chains):
             _, rows, ready = self._find(packed, f"chains[{i}]")
@@ -151,8 +154,9 @@ class CompactReads:
         return stored
 
     def tiers(self, packed_keys: bytes) -> tuple[bytes, dict[str, tuple[str, bytearray]]]:
-        """Where each key is, per tier (see ``Index.tiers``):
-        a bit per tier that holds a replica of a committed key."""
+        """Where each key is, per tier: a byte per key, a bit per tier that holds a replica of it
+        (bit 0 DRAM, bit 1 SSD) if it is committed; and the engines that report holding each
+        key in their own caches (the device tier, :mod:`kvstore.meta.engines`)."""
         _, rows, ready = self._find(packed_keys)
         out = np.zeros(len(rows), dtype=np.uint8)
         t = self.table

@@ -1,4 +1,4 @@
-"""Demotion in the compact index (kvstore.meta.compact_tiers): least recently used blocks go from a
+"""Tier moves in the index (kvstore.meta.tiers): least recently used blocks go from a
 daemon's DRAM above its high watermark to its SSD, the row following the block; a move that
 fails, or whose block was removed, re-put, pinned or leased meanwhile, or whose daemon left,
 leaves every extent accounted for and every answer right. Random operation sequences check the
@@ -11,7 +11,6 @@ import random
 import pytest
 
 from kvstore.extent import ALIGN, HEADER_SIZE, SSD_ALIGN
-from kvstore.meta.compact import CompactIndex
 from kvstore.meta.index import DaemonSpec, Index, IndexLimits, SegmentSpec, Tier
 from tests.unit.test_index import FakeClock
 
@@ -28,7 +27,7 @@ def csum(k: bytes) -> int:
 
 def tiered(dram_slots: int = 8, ssd_slots: int = 16, high: float = 0.5, low: float = 0.25):  # noqa: ANN201
     clock = FakeClock()
-    ix = CompactIndex(IndexLimits(cache_policy="lru", dram_high_watermark=high, dram_low_watermark=low), clock)
+    ix = Index(IndexLimits(cache_policy="lru", dram_high_watermark=high, dram_low_watermark=low), clock)
     segs = (
         SegmentSpec(1, Tier.DRAM, dram_slots * ALIGN, "/dev/shm/d1"),
         SegmentSpec(2, Tier.SSD, ssd_slots * SSD_ALIGN, "/data/d1"),
@@ -37,17 +36,17 @@ def tiered(dram_slots: int = 8, ssd_slots: int = 16, high: float = 0.5, low: flo
     return ix, clock
 
 
-def put(ix: CompactIndex, *ids: int) -> None:
+def put(ix: Index, *ids: int) -> None:
     keys = [key(i) for i in ids]
     p = ix.put_start(b"".join(keys), [BLK] * len(keys))
     assert ix.put_commit(p.put_id, [csum(k) for k in keys]) == len(keys)
 
 
-def tiers_of(ix: CompactIndex, *ids: int) -> list[int]:
+def tiers_of(ix: Index, *ids: int) -> list[int]:
     return list(ix.tiers(b"".join(key(i) for i in ids))[0])
 
 
-def dram_ssd(ix: CompactIndex):  # noqa: ANN201
+def dram_ssd(ix: Index):  # noqa: ANN201
     d = ix.daemons["d1"]
     return d.tier(Tier.DRAM), d.tier(Tier.SSD)
 
@@ -106,7 +105,7 @@ def test_blocks_read_from_ssd_come_back_to_dram_and_keep_their_ssd_copy() -> Non
     assert [x.segment for x in ix.locations(rows[:3])] == [dram] * 3
 
 
-def promoted(ix: CompactIndex, *ids: int) -> None:
+def promoted(ix: Index, *ids: int) -> None:
     """Demotes everything in DRAM to SSD, then reads ``ids`` and promotes them back."""
     for m in ix.plan_moves().get("d1", []):
         ix.finish_move(m.move_id, True)
@@ -142,7 +141,7 @@ def test_demoting_a_block_with_a_clean_ssd_copy_drops_its_dram_copy_without_a_mo
 @pytest.mark.parametrize("policy", ["lru", "adaptive"])
 def test_a_put_short_of_dram_drops_dram_copies_of_blocks_with_a_clean_ssd_copy(policy: str) -> None:
     clock = FakeClock()
-    ix = CompactIndex(IndexLimits(cache_policy=policy, dram_high_watermark=0.99, dram_low_watermark=0.0), clock)
+    ix = Index(IndexLimits(cache_policy=policy, dram_high_watermark=0.99, dram_low_watermark=0.0), clock)
     segs = (SegmentSpec(1, Tier.DRAM, 4 * ALIGN, "/dev/shm/d1"), SegmentSpec(2, Tier.SSD, 16 * SSD_ALIGN, "/d"))
     ix.register_daemon(DaemonSpec("d1", "h1", "d1:data", "d1:ctl", segs), {})
     put(ix, 1, 2, 3, 4)
@@ -190,7 +189,7 @@ def test_ssd_eviction_drops_a_clean_copy_and_keeps_its_block_in_dram() -> None:
     assert dram.blocks == 2 and ssd.blocks == 5
 
 
-def hits_of(ix: CompactIndex, *ids: int) -> int:
+def hits_of(ix: Index, *ids: int) -> int:
     return ix.lookup(b"".join(key(i) for i in ids))[0]
 
 
@@ -433,17 +432,14 @@ def test_a_block_larger_than_the_ssd_is_not_demoted_and_evicts_nothing_there() -
 
 @pytest.mark.parametrize("policy", ["lru", "adaptive"])
 def test_a_put_into_full_tiers_evicts_on_the_ssd_and_keeps_every_dram_block(policy: str) -> None:
-    """A block in DRAM has no other copy here: a put that finds DRAM and SSD full makes its
-    room on the SSD (its least valuable block leaves) and lands there, as on the object index,
-    whose DRAM victims must have an SSD copy; no DRAM block is lost to a put."""
-    seen = {}
-    for kind in (Index, CompactIndex):
-        ix = kind(IndexLimits(cache_policy=policy), FakeClock())
-        segs = (SegmentSpec(1, Tier.DRAM, 4 * ALIGN, "/dev/shm/d1"), SegmentSpec(2, Tier.SSD, 4 * SSD_ALIGN, "/d1"))
-        ix.register_daemon(DaemonSpec("d1", "h1", "d1:data", "d1:ctl", segs), {})
-        for i in range(1, 10):  # 1-4 fill DRAM, 5-8 the SSD, 9 finds both full
-            put(ix, i)
-        seen[kind] = tiers_of(ix, *range(1, 10))
-        assert ix.counters["evictions"] == 1
-        ix.check_integrity()
-    assert seen[CompactIndex] == seen[Index] == [1, 1, 1, 1, 0, 2, 2, 2, 2]
+    """A block in DRAM without an SSD copy has no other copy: a put that finds DRAM and SSD full
+    makes its room on the SSD (its least valuable block leaves) and lands there; no DRAM block
+    is lost to a put."""
+    ix = Index(IndexLimits(cache_policy=policy), FakeClock())
+    segs = (SegmentSpec(1, Tier.DRAM, 4 * ALIGN, "/dev/shm/d1"), SegmentSpec(2, Tier.SSD, 4 * SSD_ALIGN, "/d1"))
+    ix.register_daemon(DaemonSpec("d1", "h1", "d1:data", "d1:ctl", segs), {})
+    for i in range(1, 10):  # 1-4 fill DRAM, 5-8 the SSD, 9 finds both full
+        put(ix, i)
+    assert ix.counters["evictions"] == 1
+    ix.check_integrity()
+    assert tiers_of(ix, *range(1, 10)) == [1, 1, 1, 1, 0, 2, 2, 2, 2]
