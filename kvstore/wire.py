@@ -56,26 +56,34 @@ ROW_DTYPE = np.dtype(
 )
 
 
-def locations_to_pb(replicas: Sequence, op: int = 0, ttl_s: float = 0.0, keys: bool = False) -> pb.Locations:  # noqa: ANN001
-    """Packs replicas (kvstore.meta.index.Location) as location rows plus one SegmentRef per distinct segment,
-    and with ``op`` (tickets.READ or WRITE) a capability ticket per row for ``ttl_s`` seconds,
-    signed with each daemon's ticket key (none for daemons without one); with ``keys``, the keys the
-    blocks are stored under."""
-    if not replicas:
+def places_to_pb(p, op: int = 0, ttl_s: float = 0.0, keys: bool = False) -> pb.Locations:  # noqa: ANN001
+    """Packs replicas (:class:`kvstore.meta.records.Places`, columns) as location rows, in one
+    pass, plus one SegmentRef per distinct segment, and with ``op`` (tickets.READ or WRITE) a
+    capability ticket per row for ``ttl_s`` seconds, signed with each daemon's ticket key (none
+    for daemons without one); with ``keys``, the keys the blocks are stored under."""
+    n = len(p)
+    if not n:
         return pb.Locations()
-    segs = {id(r.segment): r.segment for r in replicas}
+    rows = np.zeros(n, dtype=ROW_DTYPE)
+    rows["ref"], rows["offset"], rows["length"], rows["gen"] = p.refs, p.offset, p.length, p.gen
+    rows["checksum"] = p.checksum if p.checksum is not None else 0
     signed = b""
+    segs = p.segments
     if op and any(s.daemon.spec.ticket_key for s in segs.values()):
+        refs = p.refs.tolist()
         signed = tickets.issue_many(
-            [r.segment.daemon.spec.ticket_key for r in replicas],
+            [segs[r].daemon.spec.ticket_key for r in refs],
             op,
-            [(r.segment.spec.segment_id, r.offset, r.length, r.gen, r.key) for r in replicas],
+            [
+                (segs[r].spec.segment_id, off, ln, gen, p.keys[16 * i : 16 * i + 16])
+                for i, (r, off, ln, gen) in enumerate(zip(refs, p.offset.tolist(), p.length.tolist(), p.gen.tolist()))
+            ],
             ttl_s,
         )
     return pb.Locations(
-        keys=b"".join([r.key for r in replicas]) if keys else b"",
+        keys=p.keys if keys else b"",
         tickets=signed,
-        rows=b"".join([r.row for r in replicas]),
+        rows=rows.tobytes(),
         segments=[_segment_ref(s) for s in segs.values()],
     )
 

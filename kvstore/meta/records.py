@@ -122,7 +122,7 @@ class Segment:
         self.blocks = 0  # replicas here (committed or reserved)
         self.pinned = 0  # replicas here of pinned blocks
         self.leased = 0  # blocks whose primary replica is here with a lease on it
-        # How location messages describe it (kvstore.wire.locations_to_pb), built once.
+        # How location messages describe it (kvstore.wire.places_to_pb), built once.
         self.pb_ref = None
         # Bytes of extents freed but held back from the allocator while write tickets for them
         # may still be honoured (kvstore.meta.quarantine); counted in alloc.used.
@@ -158,11 +158,12 @@ class Daemon:
 
 
 @dataclass(slots=True)
-class CommitPlaces:
-    """Where the blocks of a pending commit are, spelled out when the commit began (a row may be
-    another block's by the time the daemons answer), one entry per block to commit."""
+class Places:
+    """Where blocks are, spelled out in columns at one moment (a row may hold another block by
+    the time an answer goes out or the daemons answer): what a put's placements, a lookup's or
+    a lease's locations and a pending commit's blocks are packed from, one entry a block."""
 
-    index: np.ndarray  # the block's position among the put's placements
+    index: np.ndarray  # the block's position in the request (the put's placements, the run)
     refs: np.ndarray  # its segment's ref (``segments[ref]``)
     offset: np.ndarray
     size: np.ndarray
@@ -170,6 +171,10 @@ class CommitPlaces:
     gen: np.ndarray
     keys: bytes  # packed, 16 bytes a block
     segments: dict  # ref -> Segment, for the refs above
+    checksum: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 @dataclass(slots=True)
@@ -178,7 +183,7 @@ class PendingCommit:
     :meth:`kvstore.meta.index.Index.put_commit_begin`)."""
 
     put: Any  # kvstore.meta.writes.Put
-    places: CommitPlaces  # the blocks the daemons are to commit
+    places: Places  # the blocks the daemons are to commit
     status: list[int]  # per allocated block, in placement order: its CommitStatus so far
     checksums: list[int]
 

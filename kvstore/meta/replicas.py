@@ -11,13 +11,13 @@ from typing import NamedTuple
 import numpy as np
 
 from kvstore.keys import KEY_BYTES
-from kvstore.meta.records import ROW, Segment, Tombstone
+from kvstore.meta.records import ROW, Places, Segment, Tombstone
 from kvstore.meta.table import LIVE, PINNED, READY, words
 
 
 class Location(NamedTuple):
     """A block's replica, spelled out: what the service's answers are made of
-    (:func:`kvstore.wire.locations_to_pb`, the daemons' commits)."""
+    (:meth:`kvstore.meta.index.Index.locations`; answers and commits pack :meth:`Replicas.places`, columns)."""
 
     segment: Segment
     offset: int
@@ -37,6 +37,15 @@ class Location(NamedTuple):
 
 class Replicas:
     """Replica bookkeeping over the block table."""
+
+    def places(self, rows: np.ndarray) -> Places:
+        """The primary replicas of ``rows``, spelled out in columns now (copies of the table's)."""
+        t = self.table
+        refs = t.seg[rows]
+        return Places(
+            np.arange(len(rows)), refs, t.off[rows], t.size[rows], t.length[rows], t.gen[rows], t.keys(rows),
+            {ref: self.segments[ref] for ref in np.unique(refs).tolist()}, t.csum[rows],
+        )  # fmt: skip
 
     def _free_row(self, row: int) -> None:
         """An unlinked row with no lease left goes back to the table, the extents of its copies

@@ -22,7 +22,7 @@ from kvstore.meta.daemon_calls import DaemonCalls
 from kvstore.meta.daemons import DaemonLink
 from kvstore.meta.records import CommitStatus
 from kvstore.v1 import meta_pb2
-from kvstore.wire import U8, U32, U64, daemon_to_pb, leading, locations_to_pb, pack, unpack
+from kvstore.wire import U8, U32, U64, daemon_to_pb, leading, pack, places_to_pb, unpack
 
 # A per-tier lookup names at most this many engines (those holding the longest prefixes).
 MAX_ENGINES_ANSWERED = 64
@@ -127,7 +127,7 @@ class MetaServicer(DaemonCalls):
         # Spelled out now: during the flush the put can end (its deadline, its daemon lost) and
         # the index can give its rows to another put; the extents stay this put's (held back
         # until its write tickets lapse).
-        places = self.index.locations(res.placements)
+        places = self.index.places(res.placements)
         # Space freed by eviction is handed out only once its old blocks are gone on their
         # daemons: a restarted service must not find an evicted block again.
         await self.link.flush(mark)
@@ -140,7 +140,7 @@ class MetaServicer(DaemonCalls):
         return meta_pb2.PutStartResponse(
             put_id=res.put_id,
             status=pack(res.status, U8),
-            placements=locations_to_pb(places, tickets.WRITE, left, keys=self.authority is not None),
+            placements=places_to_pb(places, tickets.WRITE, left, keys=self.authority is not None),
             deadline_unix_ms=int((time.time() + left) * 1000),
         )
 
@@ -190,7 +190,7 @@ class MetaServicer(DaemonCalls):
             lookup_port_id=self.lookup_port_id,
             exists=pack(exists, U8) if request.per_key else b"",
             locations=(
-                locations_to_pb(self.index.locations(locs), keys=self.authority is not None)
+                places_to_pb(self.index.places(locs), keys=self.authority is not None)
                 if request.with_locations
                 else None
             ),
@@ -231,9 +231,9 @@ class MetaServicer(DaemonCalls):
     def Acquire(self, request, context):
         ident = self._who(context, "tenant", "admin")
         res = self.index.acquire(self._keys(request.keys, ident), ttl_s=request.ttl_ms / 1000.0)
-        locs = self.index.locations(res.locations)
+        locs = self.index.places(res.locations)
         if res.lease_id and self.quotas.max_leased:
-            nbytes = sum(r.length for r in locs)
+            nbytes = int(locs.length.sum())
             fits, held = self.quotas.leases.fits(ident.name, nbytes, self.index.leases.__contains__)
             if not fits:
                 self.index.release(res.lease_id)
@@ -248,7 +248,7 @@ class MetaServicer(DaemonCalls):
         return meta_pb2.AcquireResponse(
             hit_count=res.hit_count,
             lease_id=res.lease_id,
-            locations=locations_to_pb(
+            locations=places_to_pb(
                 locs, tickets.READ, max(res.ttl, self.read_ticket_ttl_s), keys=self.authority is not None
             ),
             ttl_ms=int(res.ttl * 1000),

@@ -17,7 +17,6 @@ from kvstore.errors import Expired, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.extent import extent_size
 from kvstore.keys import KEY_BYTES
 from kvstore.meta.records import (
-    CommitPlaces,
     CommitStatus,
     Daemon,
     PendingCommit,
@@ -297,12 +296,8 @@ class Writes:
         status = np.where(ok, CommitStatus.OK, np.where(mine, CommitStatus.NOT_WRITTEN, CommitStatus.UNAVAILABLE))
         # Spelled out now, not when the daemons are asked: a row whose daemon is lost meanwhile
         # is freed and may then hold another put's block.
-        r = put.rows[ok]
-        refs = t.seg[r]
-        places = CommitPlaces(
-            np.flatnonzero(ok), refs, t.off[r], t.size[r], t.length[r], t.gen[r], t.keys(r),
-            {ref: self.segments[ref] for ref in np.unique(refs).tolist()},
-        )  # fmt: skip
+        places = self.places(put.rows[ok])
+        places.index = np.flatnonzero(ok)
         return PendingCommit(put, places, status.tolist(), list(checksums))
 
     def put_commit_end(
