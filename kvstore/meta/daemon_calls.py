@@ -42,6 +42,15 @@ def _inventory(invs: list[common_pb2.Inventory]) -> dict[int, np.ndarray]:
     return out
 
 
+def _joined(parts: list[dict[int, np.ndarray]]) -> dict[int, np.ndarray]:
+    """A streamed inventory's parts joined per segment, oldest generation first."""
+    out = {}
+    for sid in {sid for p in parts for sid in p}:
+        a = np.concatenate([p[sid] for p in parts if sid in p])
+        out[sid] = a[np.argsort(a["gen"], kind="stable")]
+    return out
+
+
 class DaemonCalls:
     """RegisterDaemon (and RegisterDaemonStream), DrainDaemon and Heartbeat."""
 
@@ -74,10 +83,7 @@ class DaemonCalls:
                 parts.append(await asyncio.to_thread(_inventory, request.inventory))
         if spec is None:
             raise InvalidArgument("RegisterDaemonStream: no message")
-        inventory: dict[int, np.ndarray] = {}
-        for sid in {sid for p in parts for sid in p}:
-            a = np.concatenate([p[sid] for p in parts if sid in p])
-            inventory[sid] = a[np.argsort(a["gen"], kind="stable")]
+        inventory = await asyncio.to_thread(_joined, parts)  # (millions of rows: off the loop)
         return await self._register(spec, inventory)
 
     def _daemon_spec(self, request: meta_pb2.RegisterDaemonRequest, context) -> tuple[DaemonSpec, dict[int, int]]:  # noqa: ANN001
