@@ -238,10 +238,13 @@ class Adaptive(AdaptiveCounts, Lru):
 
     def leaving_many(self, rows: np.ndarray) -> None:
         """As :meth:`leaving` for each, in order, but only the last rows whose counts the
-        history can keep are written to it (the others would be pushed out by them)."""
+        history can keep once they are gone are written to it (the others would be pushed out
+        by them): a daemon's whole segment leaving costs what the history holds, not its rows."""
         self.drain()
         t = self.table
-        keep = min(len(rows), self.params.history_max)
+        p = self.params
+        after = max(p.min_population, t.live - len(rows) + self._entering)
+        keep = min(len(rows), p.history_max, int(p.history_factor * after))
         rows = rows[len(rows) - keep :]
         counts = _aged(t.freq[rows], self.epoch)
         rows, counts = rows[counts > 0], counts[counts > 0]
