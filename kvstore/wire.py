@@ -56,17 +56,21 @@ ROW_DTYPE = np.dtype(
 )
 
 
+def pack_rows(p) -> bytes:  # noqa: ANN001 - kvstore.meta.records.Places
+    """Places as the wire's packed location rows (:data:`ROW_DTYPE`), in one pass."""
+    rows = np.zeros(len(p), dtype=ROW_DTYPE)
+    rows["ref"], rows["offset"], rows["length"] = p.refs, p.offset, p.length
+    rows["checksum"], rows["gen"] = p.checksum, p.gen
+    return rows.tobytes()
+
+
 def places_to_pb(p, op: int = 0, ttl_s: float = 0.0, keys: bool = False) -> pb.Locations:  # noqa: ANN001
     """Packs replicas (:class:`kvstore.meta.records.Places`, columns) as location rows, in one
     pass, plus one SegmentRef per distinct segment, and with ``op`` (tickets.READ or WRITE) a
     capability ticket per row for ``ttl_s`` seconds, signed with each daemon's ticket key (none
     for daemons without one); with ``keys``, the keys the blocks are stored under."""
-    n = len(p)
-    if not n:
+    if not len(p):
         return pb.Locations()
-    rows = np.zeros(n, dtype=ROW_DTYPE)
-    rows["ref"], rows["offset"], rows["length"], rows["gen"] = p.refs, p.offset, p.length, p.gen
-    rows["checksum"] = p.checksum if p.checksum is not None else 0
     signed = b""
     segs = p.segments
     if op and any(s.daemon.spec.ticket_key for s in segs.values()):
@@ -83,7 +87,7 @@ def places_to_pb(p, op: int = 0, ttl_s: float = 0.0, keys: bool = False) -> pb.L
     return pb.Locations(
         keys=p.keys if keys else b"",
         tickets=signed,
-        rows=rows.tobytes(),
+        rows=pack_rows(p),
         segments=[_segment_ref(s) for s in segs.values()],
     )
 

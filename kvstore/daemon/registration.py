@@ -20,28 +20,30 @@ def _rows(inv: common_pb2.Inventory) -> int:
     return len(inv.keys) // KEY_BYTES
 
 
-def _slice(inv: common_pb2.Inventory, lo: int, hi: int) -> common_pb2.Inventory:
-    """Rows ``lo`` to ``hi`` of an inventory message (its packed columns sliced)."""
-    cols = {c: getattr(inv, c)[8 * lo : 8 * hi] for c in _COLUMNS if getattr(inv, c)}
-    return common_pb2.Inventory(segment_id=inv.segment_id, keys=inv.keys[KEY_BYTES * lo : KEY_BYTES * hi], **cols)
-
-
 def split_inventory(invs: list[common_pb2.Inventory], part_bytes: int = PART_BYTES) -> list[list[common_pb2.Inventory]]:
     """The inventory messages cut into parts of at most about ``part_bytes`` each (at least one
-    block a part), in order."""
+    block a part), in order. Each message's columns are read out once (a read of a bytes field
+    copies it) and sliced."""
     parts: list[list[common_pb2.Inventory]] = [[]]
     room = part_bytes
     for inv in invs:
         n = _rows(inv)
         per_row = max(1, inv.ByteSize() // max(1, n))
+        keys = inv.keys
+        cols = {c: v for c in _COLUMNS if (v := getattr(inv, c))}
         lo = 0
         while lo < n:
-            take = max(1, min(n - lo, room // per_row))
             if room < per_row and parts[-1]:
                 parts.append([])
                 room = part_bytes
-                continue
-            parts[-1].append(_slice(inv, lo, lo + take))
+            take = max(1, min(n - lo, room // per_row))
+            parts[-1].append(
+                common_pb2.Inventory(
+                    segment_id=inv.segment_id,
+                    keys=keys[KEY_BYTES * lo : KEY_BYTES * (lo + take)],
+                    **{c: v[8 * lo : 8 * (lo + take)] for c, v in cols.items()},
+                )
+            )
             room -= take * per_row
             lo += take
     return [p for p in parts if p] or [[]]

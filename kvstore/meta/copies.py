@@ -91,7 +91,6 @@ class Copies:
             i = c[has] - 1
             out[has] |= self.seg[i] == seg_ref
             c[has] = self.next[i]
-            c[~has] = 0
 
     def rows_on(self, seg_ref: int) -> np.ndarray:
         """The rows with a copy on segment ``seg_ref``."""

@@ -102,8 +102,8 @@ from kvstore.meta.replicas import Location, Replicas
 from kvstore.meta.table import LIVE, PINNED, READY, WRITTEN, BlockTable, words
 from kvstore.meta.tiers import Move, TierMoves
 from kvstore.meta.writes import Put, Writes
+from kvstore.wire import pack_rows
 
-_ROWS = np.dtype([("ref", "<u4"), ("res", "<u4"), ("off", "<u8"), ("len", "<u8"), ("csum", "<u8"), ("gen", "<u8")])
 _NONE = np.empty(0, dtype=np.int64)
 
 
@@ -188,19 +188,15 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
 
     def location_rows(self, rows: np.ndarray) -> bytes:
         """``rows`` as the wire's packed location rows (:data:`kvstore.meta.records.ROW`)."""
-        t = self.table
-        out = np.zeros(len(rows), dtype=_ROWS)
-        out["ref"], out["off"], out["len"] = t.seg[rows], t.off[rows], t.length[rows]
-        out["csum"], out["gen"] = t.csum[rows], t.gen[rows]
-        return out.tobytes()
+        return pack_rows(self.places(rows))
 
     # ---- dropping ---------------------------------------------------------------------------
 
-    def _drop(self, row: int, free: bool = True, hold_until: float | None = None) -> None:
+    def _drop(self, row: int, hold_until: float | None = None) -> None:
         """A block leaves the index; its extents are freed now or when its last lease ends, or
-        (``hold_until``: a put's reservation whose write tickets are still good) at that time
-        (``free=False``, its daemon was lost: the space goes with the daemon). Each replica its
-        daemon may hold committed leaves a tombstone."""
+        (``hold_until``: a put's reservation whose write tickets are still good) at that time.
+        Each replica its daemon may hold committed leaves a tombstone. (Blocks of a lost daemon
+        leave through :meth:`kvstore.meta.membership.Membership._drop_lost`.)"""
         t = self.table
         f = int(t.flags[row])
         if not f & LIVE:
@@ -212,7 +208,7 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
         seg.blocks -= 1
         if f & PINNED:
             seg.pinned -= 1
-        if free and f & (READY | WRITTEN):
+        if f & (READY | WRITTEN):
             self._tombstone_item(
                 seg.daemon.spec.daemon_id, Tombstone(seg.spec.segment_id, t.key(row), int(t.off[row]), int(t.gen[row]))
             )
@@ -221,18 +217,14 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
             cs.blocks -= 1
             if f & PINNED:
                 cs.pinned -= 1
-            if free:
-                self._tombstone_item(
-                    cs.daemon.spec.daemon_id,
-                    Tombstone(cs.spec.segment_id, t.key(row), int(t.copies.off[i]), int(t.copies.gen[i])),
-                )
-        if not free:  # their daemon is lost: the copies' space goes with it
-            for i in t.copies.of(row):
-                t.copies.remove(i)
+            self._tombstone_item(
+                cs.daemon.spec.daemon_id,
+                Tombstone(cs.spec.segment_id, t.key(row), int(t.copies.off[i]), int(t.copies.gen[i])),
+            )
         if t.leases[row] == 0:
-            if free and hold_until is None:
+            if hold_until is None:
                 seg.alloc.release(int(t.off[row]), int(t.size[row]))
-            elif free:
+            else:
                 self._quarantine.hold(seg, int(t.off[row]), int(t.size[row]), hold_until)
             self._free_row(row)
 

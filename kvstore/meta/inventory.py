@@ -185,8 +185,10 @@ class Adoption:
             adopted[new] = True
         # Keys the index holds already (before this chunk): a clean copy, or a clash.
         for i in np.flatnonzero(cand & (rows >= 0)).tolist():
-            it = InventoryItem(bytes(a["key"][i]), int(a["offset"][i]), int(a["length"][i]), int(a["checksum"][i]))
-            adopted[i] = self._adopt(daemon, seg, it._replace(gen=int(a["gen"][i])), int(sizes[i]))
+            it = InventoryItem(
+                bytes(a["key"][i]), *(int(a[f][i]) for f in ("offset", "length", "checksum", "size", "gen"))
+            )
+            adopted[i] = self._adopt(daemon, seg, it, int(sizes[i]))
         refused = np.flatnonzero(~adopted)
         for i in refused[accepted[refused]].tolist():
             seg.alloc.release(int(a["offset"][i]), int(sizes[i]))

@@ -244,9 +244,9 @@ class Membership(Adoption, DaemonLife):
                 self.segments.pop(seg.ref, None)
 
     def _drop_lost(self, rows: np.ndarray, seg: Segment) -> None:
-        """``rows`` (live, their primary replica on ``seg``) leave with their lost daemon, as
-        ``_drop(row, free=False)`` does for each: out of the table at once, their copies (on the
-        same daemon) forgotten, each row freed now or when its last lease ends."""
+        """``rows`` (live, their primary replica on ``seg``) leave with their lost daemon: out of
+        the table at once, their copies (on the same daemon) forgotten, nothing tombstoned or
+        freed (the space goes with the daemon), each row returned now or when its last lease ends."""
         if not len(rows):
             return
         t = self.table

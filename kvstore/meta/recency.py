@@ -102,15 +102,10 @@ class Recency:
 
     def _oldest_pass(self, seg_ref: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
         n = self.n_rows
-        f = self.flags[:n]
-        ok = (
-            ((f & (LIVE | READY | PINNED | HELD)) == (LIVE | READY))
-            & (self.leases[:n] == 0)
-            & (self.seg[:n] == seg_ref)
-        )
+        here = self.seg[:n] == seg_ref
         if self.copies.count:  # and the rows with a copy there
-            ok[self.copies.rows_on(seg_ref)] = True
-            ok &= ((f & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)) & (self.leases[:n] == 0)
+            here[self.copies.rows_on(seg_ref)] = True
+        ok = here & ((self.flags[:n] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY)) & (self.leases[:n] == 0)
         cand = np.flatnonzero(ok)
         # Enough for many evictions per pass (a pass costs the whole table), few enough to sort
         # and hold (16 bytes each).

@@ -168,10 +168,10 @@ class Places:
     offset: np.ndarray
     size: np.ndarray
     length: np.ndarray
+    checksum: np.ndarray
     gen: np.ndarray
     keys: bytes  # packed, 16 bytes a block
     segments: dict  # ref -> Segment, for the refs above
-    checksum: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -198,7 +198,9 @@ class PendingCommit:
         for j, i in enumerate(p.index.tolist()):
             key = p.keys[16 * j : 16 * j + 16]
             seg = p.segments[int(p.refs[j])]
-            out[i] = Location(seg, int(p.offset[j]), int(p.size[j]), int(p.length[j]), 0, int(p.gen[j]), key)
+            out[i] = Location(
+                seg, int(p.offset[j]), int(p.size[j]), int(p.length[j]), int(p.checksum[j]), int(p.gen[j]), key
+            )
         return out
 
 

@@ -27,8 +27,6 @@ class Location(NamedTuple):
     gen: int
     key: bytes
 
-    live = True  # a location is spelled out of a row the index holds at that moment
-
     @property
     def row(self) -> bytes:
         """The wire's location row (:data:`kvstore.meta.records.ROW`)."""
@@ -43,8 +41,8 @@ class Replicas:
         t = self.table
         refs = t.seg[rows]
         return Places(
-            np.arange(len(rows)), refs, t.off[rows], t.size[rows], t.length[rows], t.gen[rows], t.keys(rows),
-            {ref: self.segments[ref] for ref in np.unique(refs).tolist()}, t.csum[rows],
+            np.arange(len(rows)), refs, t.off[rows], t.size[rows], t.length[rows], t.csum[rows], t.gen[rows],
+            t.keys(rows), {ref: self.segments[ref] for ref in np.unique(refs).tolist()},
         )  # fmt: skip
 
     def _free_row(self, row: int) -> None:

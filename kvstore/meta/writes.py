@@ -171,7 +171,7 @@ class Writes:
         the cache policy to judge), placed in one vectorised pass; None if it is not such a put
         (then it goes block by block)."""
         new = np.flatnonzero(rows < 0)
-        if not len(new) or len(new) < 64:
+        if len(new) < 64:
             return None  # (small puts: the general path costs as little)
         length = sizes[int(new[0])]
         if any(sizes[i] != length for i in new.tolist()):

@@ -25,32 +25,7 @@ from kvstore.extent import (
     parse_fields,
     scan,
 )
-
-SECRET = bytes(range(32))
-SEALER = Sealer(SECRET)
-OTHER = Sealer(bytes(range(1, 33)))  # another daemon's secret
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "big")
-
-
-def payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-def write_extent(seg: np.ndarray, off: int, k: bytes, data: bytes, gen: int, sealer: Sealer = SEALER) -> None:
-    """The documented protocol: the writer moves the payload bytes (after the old header was
-    cleared), then the daemon commits by writing the header sealed for this offset."""
-    assert off % ALIGN == 0
-    seg[off : off + HEADER_SIZE] = np.frombuffer(CLEARED, np.uint8)
-    seg[off + HEADER_SIZE : off + HEADER_SIZE + len(data)] = np.frombuffer(data, np.uint8)
-    seg[off : off + HEADER_SIZE] = np.frombuffer(sealer.pack(k, len(data), checksum(data), gen, off), np.uint8)
-
-
-def new_segment(n_align: int) -> np.ndarray:
-    return np.zeros(n_align * ALIGN, dtype=np.uint8)
-
+from tests.unit.test_extent import OTHER, SEALER, SECRET, key, new_segment, payload, write_extent
 
 # ---- scan ---------------------------------------------------------------------------------------
 
