@@ -328,6 +328,7 @@ def _stat(cfg: Config, as_json: bool) -> int:
             cluster = c.cluster_state()
     if as_json:
         out = MessageToDict(s, preserving_proto_field_name=True)
+        out.setdefault("touch_interval_ms", 0)
         if cluster is not None:
             out["cluster"] = cluster
         print(json.dumps(out, indent=2))
@@ -351,7 +352,9 @@ def _stat(cfg: Config, as_json: bool) -> int:
     hits, misses = c.get("hit_keys", 0), c.get("miss_keys", 0)
     rate = 100.0 * hits / (hits + misses) if hits + misses else 0.0
     print(f"\nkeys {s.keys}  pending puts {s.pending_puts}  active leases {s.active_leases}")
-    print(f"hit rate {rate:.1f}% ({hits} hit / {misses} miss keys on get)  "
+    lag = f"{s.touch_interval_ms} ms" if s.touch_interval_ms else "no client reported"
+    print(f"hit rate {rate:.1f}% ({hits} hit / {misses} miss keys on get; reads of known locations "
+          f"counted up to {lag} late)  "
           f"lookups {c.get('lookups', 0)}  puts {c.get('puts', 0)}  dedup keys {c.get('dedup_keys', 0)}  "
           f"evictions {c.get('evictions', 0)}  corrupt {c.get('corrupt_reported', 0)}")  # fmt: skip
     return 0

@@ -161,6 +161,9 @@ class ClientConfig:
     # Ask lookups on the service's lookup port when it offers one (kvstore.meta.lookup_port),
     # from the synchronous client's calling thread; false: always over gRPC.
     lookup_port: bool = True
+    # How long reads from known locations gather before the client tells the service about them
+    # in one Touch: its cache policy sees them, and its hit counters count them, this much later.
+    touch_interval_s: float = 0.05
 
 
 @dataclass
@@ -392,7 +395,7 @@ def validate(cfg: Config) -> None:
     one_of("daemon", "ssd_durability", ("fast", "durable"))
     one_of("daemon", "ssd_compress", ("auto", "off"))
     one_of("client", "transport", ("auto", "shm", "tcp"))
-    for key in ("put_timeout_s", "lease_ttl_s", "retries", "location_cache"):
+    for key in ("put_timeout_s", "lease_ttl_s", "retries", "location_cache", "touch_interval_s"):
         positive("client", key, allow_zero=True)
     for key in ("rpc_timeout_s", "io_timeout_s", "io_threads"):
         positive("client", key)

@@ -154,7 +154,10 @@ _META_COUNTERS = {
     "lookup_keys": ("kvstore_meta_lookup_keys_total", "Keys asked by lookups"),
     "lookup_hit_keys": ("kvstore_meta_lookup_hit_keys_total", "Keys of lookups that were in the leading cached run"),
     "acquires": ("kvstore_meta_acquires_total", "Acquire (get) calls"),
-    "hit_bytes": ("kvstore_meta_hit_bytes_total", "Bytes of blocks handed out by Acquire"),
+    "hit_bytes": (
+        "kvstore_meta_hit_bytes_total",
+        "Bytes of blocks gets loaded: under a lease (Acquire) and from known locations (Touch)",
+    ),
     "puts": ("kvstore_meta_puts_total", "PutStart calls"),
     "put_keys": ("kvstore_meta_put_keys_total", "Blocks committed by puts"),
     "put_bytes": ("kvstore_meta_put_bytes_total", "Bytes committed by puts"),
@@ -205,12 +208,23 @@ class MetaCollector:
         c = dict(idx.counters)
         for name, (metric, doc) in _META_COUNTERS.items():
             yield _counter(metric, doc, c.get(name, 0))
-        hits = CounterMetricFamily("kvstore_meta_hits_total", "Block hits of Acquire, by tier read", labels=["tier"])
+        hits = CounterMetricFamily(
+            "kvstore_meta_hits_total",
+            "Blocks gets loaded, by tier read: under a lease (Acquire) and from known locations (Touch, "
+            "counted up to kvstore_meta_touch_interval_seconds late)",
+            labels=["tier"],
+        )
         ssd = c.get("ssd_hit_keys", 0)
         hits.add_metric(["dram"], c.get("hit_keys", 0) - ssd)
         hits.add_metric(["ssd"], ssd)
         yield hits
-        yield _counter("kvstore_meta_misses_total", "Keys asked by Acquire that were not hits", c.get("miss_keys", 0))
+        yield _counter("kvstore_meta_misses_total", "Keys gets asked for that were not loaded", c.get("miss_keys", 0))
+        yield GaugeMetricFamily(
+            "kvstore_meta_touch_interval_seconds",
+            "How late reads from known locations reach the hit counters: the longest touch interval "
+            "clients reported in the last minute (0: none reported)",
+            value=idx.touch_interval_s,
+        )
         yield GaugeMetricFamily("kvstore_meta_keys", "Blocks in the index", value=len(idx))
         pol = idx.policy.stats()
         yield GaugeMetricFamily(

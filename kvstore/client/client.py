@@ -39,7 +39,7 @@ from kvstore.client.buffers import INLINE_COPY_BYTES
 from kvstore.client.engines import EngineReports, TierLookup  # noqa: F401 - TierLookup is part of the API
 from kvstore.client.locations import LocationCache
 from kvstore.client.lookup_port import AsyncLookupPort, LookupPortClient, PortDown
-from kvstore.client.reads import Reads
+from kvstore.client.reads import ReadCounts, Reads
 from kvstore.client.shards import ShardedMeta, cluster_url
 from kvstore.client.streams import LookupStream
 from kvstore.client.writes import PutResult, Writes  # noqa: F401 - PutResult is part of the API
@@ -122,7 +122,8 @@ class KVStoreClient(Reads, Writes, EngineReports):
         # Chains read from known locations, for the next Touch (one in flight at a time).
         self._loop = asyncio.get_running_loop()
         self._touch_lock = threading.Lock()
-        self._touches: deque[bytes] = deque()
+        self._touches: deque[tuple[bytes, bytes]] = deque()  # (chain, the tier each block was read from)
+        self._reads = ReadCounts()
         self._touch_keys = 0
         self._touching = False
         self._closing = False
@@ -309,6 +310,12 @@ class KVStoreClient(Reads, Writes, EngineReports):
         """Reads served from known locations (``hits``, in blocks), known locations found stale
         (``stale``), and locations known now (``known``)."""
         return {"hits": self._known.hits, "stale": self._known.stale, "known": len(self._known)}
+
+    def read_stats(self) -> dict[str, int]:
+        """What this client's gets loaded and missed, counted as the service counts its hits and
+        misses (``hit_keys``, ``miss_keys``, ``hit_bytes``, ``dram_hit_keys``, ``ssd_hit_keys``;
+        ``known_hit_keys``: loaded from known locations)."""
+        return self._reads.snapshot()
 
     async def stats(self) -> meta_pb2.StatsResponse:
         return await self._rpc(self._stub.Stats, meta_pb2.StatsRequest())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,11 +29,11 @@ from kvstore.wire import U32, Placement, locations_from_pb, pack
 
 log = logging.getLogger("kvstore.client")
 
-# Keys per Touch call, the most that wait for one, and how long the first waits for others to
-# join it (see KVStoreClient._touch): a cache policy needs no finer time than that.
+# Keys per Touch call, and the most that wait for one (see KVStoreClient._touch; how long the
+# first waits for others to join it is client.touch_interval_s).
 _TOUCH_BATCH_KEYS = 4096
 _MAX_TOUCH_KEYS = 1 << 16
-_TOUCH_DELAY_S = 0.05
+_SSD = 2  # kvstore.v1.Tier.TIER_SSD
 # Shared-memory reads of blocks below this mean size are not split over the I/O threads.
 SHM_SPLIT_BLOCK_BYTES = 256 << 10
 # A staged request's bytes before the daemon said how many one request may stage.
@@ -61,6 +62,40 @@ def _fit(places: list[Placement], lo: int, hi: int, budget: int) -> list[tuple[i
     return out
 
 
+class ReadCounts:
+    """What this client's gets loaded (``hit_keys``, ``hit_bytes``, by tier read) and missed,
+    counted as the service counts them (kvstore.meta.reads): a get's keys once each, as loaded
+    or not. ``known_hit_keys``: loaded from known locations, without the service on the path."""
+
+    FIELDS = ("hit_keys", "miss_keys", "hit_bytes", "dram_hit_keys", "ssd_hit_keys", "known_hit_keys")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c = dict.fromkeys(self.FIELDS, 0)
+
+    def loaded(self, places: Sequence[Placement], known: bool = False) -> bytes:
+        """Counts ``places`` as loaded; returns a byte per block, the tier it was read from."""
+        tiers = bytes(p.segment.tier for p in places)
+        ssd = tiers.count(_SSD)
+        with self._lock:
+            c = self._c
+            c["hit_keys"] += len(places)
+            c["hit_bytes"] += sum(p.length for p in places)
+            c["ssd_hit_keys"] += ssd
+            c["dram_hit_keys"] += len(places) - ssd
+            if known:
+                c["known_hit_keys"] += len(places)
+        return tiers
+
+    def missed(self, n: int) -> None:
+        with self._lock:
+            self._c["miss_keys"] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+
 def _segments(places: list[Placement]) -> dict[int, Placement]:
     """The distinct segment messages of ``places`` (by identity), each with its first placement:
     what is judged once per segment rather than once per block."""
@@ -84,6 +119,12 @@ class Reads:
         direct = await self._read_known_async(keys, dests)
         if direct == n:
             return n
+        loaded = await self._get_rest(keys, dests, direct)  # a get that raises counts nowhere
+        self._reads.missed(n - loaded)
+        return loaded
+
+    async def _get_rest(self, keys: list[bytes], dests: list[np.ndarray], direct: int) -> int:
+        """Loads on from ``direct`` through leases (a second one where a block moved mid-read)."""
         loaded, moved = await self._get_leased(keys, dests, direct, False)
         if moved:
             # The block was not where the index said when the daemon came to it (a tier move or
@@ -115,7 +156,7 @@ class Reads:
         places = locations_from_pb(resp.locations, hit)
         for i, p in enumerate(places, direct):
             if dests[i].size != p.length:
-                self._release(resp.lease_id, [])
+                self._release(resp.lease_id, [], unread=hit)
                 raise InvalidArgument(f"buffers[{i}] holds {dests[i].size} bytes but block {i} is {p.length} bytes")
         keys = keys[direct : direct + hit]
         dests = dests[direct : direct + hit]
@@ -128,11 +169,15 @@ class Reads:
             else:
                 loaded, corrupt, moved = self._read_run(keys, places, dests, deadline)
         except BaseException:
-            self._release(resp.lease_id, [])  # the lease goes now, not at its deadline
+            self._release(resp.lease_id, [], unread=hit)  # the lease goes now, not at its deadline
             raise
-        self._release(resp.lease_id, corrupt + moved if report_gone else corrupt)
+        again = loaded < hit and loaded in moved  # worth asking again (get_into does, once)
+        self._release(
+            resp.lease_id, corrupt + moved if report_gone else corrupt, hit - loaded, again and not report_gone
+        )
         self._known.remember(keys[:loaded], places[:loaded], read=True)
-        return direct + loaded, loaded < hit and loaded in moved
+        self._reads.loaded(places[:loaded])
+        return direct + loaded, again
 
     def get_known(self, keys: Sequence[bytes] | bytes, buffers: Sequence[Any]) -> int:
         """Loads the leading run of ``keys`` whose locations this client knows, without the
@@ -183,7 +228,7 @@ class Reads:
             self._known.stale += 1
             self._known.forget(keys[loaded : loaded + 1])
         if loaded:
-            self._touch(b"".join(keys[:loaded]), loaded)
+            self._touch(b"".join(keys[:loaded]), self._reads.loaded(places[:loaded], known=True))
         return loaded
 
     async def _read_known_async(self, keys: list[bytes], dests: list[np.ndarray]) -> int:
@@ -233,16 +278,16 @@ class Reads:
 
         return shm
 
-    def _touch(self, chain: bytes, n: int) -> None:
+    def _touch(self, chain: bytes, tiers: bytes) -> None:
         """Queues a chain read from known locations for the next Touch (from any thread); the
-        first waits ``_TOUCH_DELAY_S`` for others, one Touch is in flight at a time, and each takes
+        first waits ``client.touch_interval_s`` for others, one Touch is in flight at a time, and each takes
         everything queued meanwhile. Past ``_MAX_TOUCH_KEYS`` waiting (the service unreachable),
         the oldest are dropped: these are hints to the cache policy, not data."""
         with self._touch_lock:
-            self._touches.append(chain)
-            self._touch_keys += n
+            self._touches.append((chain, tiers))
+            self._touch_keys += len(tiers)
             while self._touch_keys > _MAX_TOUCH_KEYS and len(self._touches) > 1:
-                self._touch_keys -= len(self._touches.popleft()) // KEY_BYTES
+                self._touch_keys -= len(self._touches.popleft()[1])
             if self._touching or self._closing:
                 return
             self._touching = True
@@ -251,9 +296,9 @@ class Reads:
         except RuntimeError:
             on_loop = False
         if on_loop:
-            self._loop.call_later(_TOUCH_DELAY_S, self._start_touches)
+            self._loop.call_later(self.cfg.touch_interval_s, self._start_touches)
         else:
-            self._loop.call_soon_threadsafe(self._loop.call_later, _TOUCH_DELAY_S, self._start_touches)
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.cfg.touch_interval_s, self._start_touches)
 
     def _start_touches(self) -> None:
         if self._closing:  # close() sent them
@@ -268,18 +313,22 @@ class Reads:
                 if not self._touches:
                     self._touching = False
                     return
-                chains, n_keys = [], 0
-                while self._touches and n_keys + len(self._touches[0]) // KEY_BYTES <= _TOUCH_BATCH_KEYS:
-                    c = self._touches.popleft()
-                    n_keys += len(c) // KEY_BYTES
+                chains, tiers, n_keys = [], [], 0
+                while self._touches and n_keys + len(self._touches[0][1]) <= _TOUCH_BATCH_KEYS:
+                    c, t = self._touches.popleft()
+                    n_keys += len(t)
                     chains.append(c)
+                    tiers.append(t)
                 if not chains:  # one chain longer than a batch: its head goes alone
-                    c = self._touches.popleft()
-                    n_keys = len(c) // KEY_BYTES
-                    chains = [c[: _TOUCH_BATCH_KEYS * KEY_BYTES]]
+                    c, t = self._touches.popleft()
+                    n_keys = len(t)
+                    chains, tiers = [c[: _TOUCH_BATCH_KEYS * KEY_BYTES]], [t[:_TOUCH_BATCH_KEYS]]
                 self._touch_keys -= n_keys
             try:
-                await self._stub.Touch(meta_pb2.TouchRequest(chains=chains), timeout=self.cfg.rpc_timeout_s)
+                request = meta_pb2.TouchRequest(
+                    chains=chains, interval_ms=round(self.cfg.touch_interval_s * 1000), tiers=b"".join(tiers)
+                )
+                await self._stub.Touch(request, timeout=self.cfg.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
                 log.info("event=touch_failed chains=%d code=%s", len(chains), e.code().name)
             except KVStoreError as e:  # a sharded cluster's calls raise typed errors
@@ -422,7 +471,11 @@ class Reads:
             i = j
         return hi, [], []
 
-    def _release(self, lease_id: int, corrupt: list[int]) -> None:
-        """Ends a lease without waiting for the answer (the lease would lapse anyway)."""
-        req = meta_pb2.ReleaseRequest(lease_id=lease_id, corrupt=pack(corrupt, U32))
+    def _release(self, lease_id: int, corrupt: list[int], unread: int = 0, asked_again: bool = False) -> None:
+        """Ends a lease without waiting for the answer (the lease would lapse anyway). ``unread``:
+        the run's last blocks that were not loaded (the service counts them as misses unless
+        ``asked_again``: the Acquire that asks them again counts them)."""
+        req = meta_pb2.ReleaseRequest(
+            lease_id=lease_id, corrupt=pack(corrupt, U32), unread=unread, asked_again=asked_again
+        )
         self._background(self._stub.Release, req, f"release_failed lease={lease_id}")

@@ -73,7 +73,8 @@ class ShardedMeta:
         self._ids = itertools.count(1)
         # Spanning puts and leases: our id -> (created, [(shard, its id, global rows)]).
         self._puts: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
-        self._leases: dict[int, tuple[float, list[tuple[int, int, np.ndarray]]]] = {}
+        # Our lease id -> (when, (the chain's hit count, [(shard, its lease id, the run positions it holds)])).
+        self._leases: dict[int, tuple[float, tuple[int, list[tuple[int, int, np.ndarray]]]]] = {}
         self._lookups: dict[int, Coalescer] = {}
         self._streams: dict[int, tuple[Any, LookupStream]] = {}
         self._redis_lock = asyncio.Lock()
@@ -172,11 +173,12 @@ class ShardedMeta:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _release_later(self, leases: list[tuple[int, int]]) -> None:
+    def _release_later(self, leases: list[tuple[int, int, int]]) -> None:
+        """Gives back (shard, lease id, run length) leases of which nothing was read: the
+        shard counts their runs as misses."""
         if leases:
-            self._later(
-                self._gather("Release", [(s, meta_pb2.ReleaseRequest(lease_id=lid)) for s, lid in leases], None)
-            )
+            reqs = [(s, meta_pb2.ReleaseRequest(lease_id=lid, unread=n)) for s, lid, n in leases]
+            self._later(self._gather("Release", reqs, None))
 
     async def _split(self, packed: bytes) -> dict[int, np.ndarray]:
         return (await self._map()).split(packed)
@@ -210,7 +212,7 @@ class ShardedMeta:
         answers = {s: a for s, a in zip(shards, res) if not isinstance(a, BaseException)}
         errors = [a for a in res if isinstance(a, BaseException)]
         if errors:
-            self._release_later([(s, a.lease_id) for s, a in answers.items() if getattr(a, "lease_id", 0)])
+            self._release_later([(s, a.lease_id, a.hit_count) for s, a in answers.items() if getattr(a, "lease_id", 0)])
             raise errors[0]
         hit = min((leading(split[s], a.hit_count, n) for s, a in answers.items()), default=0)
         locations = None
@@ -311,10 +313,10 @@ class ShardedMeta:
                 # A shard whose hits all lie past the chain's first miss holds nothing the
                 # reader will copy: its lease goes back now (the reader releases only ours).
                 (leases if len(rows) and rows[0] < hit else idle).append((s, a.lease_id, rows))
-        self._release_later([(s, lid) for s, lid, _rows in idle])
+        self._release_later([(s, lid, len(rows)) for s, lid, rows in idle])
         out = meta_pb2.AcquireResponse(hit_count=hit, ttl_ms=min((a.ttl_ms for a in answers.values()), default=0))
         if leases:
-            out.lease_id = self._remember(self._leases, leases)
+            out.lease_id = self._remember(self._leases, (hit, leases))
         if locations is not None:
             out.locations.CopyFrom(locations)
         return out
@@ -324,19 +326,39 @@ class ShardedMeta:
         if entry is None:
             return meta_pb2.ReleaseResponse(released=False)
         corrupt = set(unpack(request.corrupt, U32, "corrupt"))
+        hit, parts = entry[1]
+        # Each shard's unread blocks: those past the chain's loaded run (its hits past the chain's
+        # first miss among them).
+        loaded = hit - min(request.unread, hit)
         reqs = {}
-        for s, lease_id, rows in entry[1]:
+        for s, lease_id, rows in parts:
             local = [j for j, g in enumerate(rows) if int(g) in corrupt]
-            reqs[s] = meta_pb2.ReleaseRequest(lease_id=lease_id, corrupt=pack(local, U32))
+            reqs[s] = meta_pb2.ReleaseRequest(
+                lease_id=lease_id,
+                corrupt=pack(local, U32),
+                unread=int(np.count_nonzero(rows >= loaded)),
+                asked_again=request.asked_again,
+            )
         answers = await self._gather("Release", list(reqs.items()), timeout)
         return meta_pb2.ReleaseResponse(released=all(not isinstance(a, BaseException) and a.released for a in answers))
 
     async def Touch(self, request: meta_pb2.TouchRequest, timeout: float | None = None) -> meta_pb2.TouchResponse:
         per: dict[int, list[bytes]] = {}
+        tiers: dict[int, list[bytes]] = {}
+        read_on = np.frombuffer(request.tiers, dtype=np.uint8)
+        at = 0
         for chain in request.chains:
+            n = len(chain) // KEY_BYTES
             for s, pos in (await self._split(chain)).items():
                 per.setdefault(s, []).append(self._sub(chain, pos))
-        answers = await self._fan("Touch", {s: meta_pb2.TouchRequest(chains=c) for s, c in per.items()}, timeout)
+                if len(read_on):
+                    tiers.setdefault(s, []).append(read_on[at : at + n][pos].tobytes())
+            at += n
+        reqs = {
+            s: meta_pb2.TouchRequest(chains=c, interval_ms=request.interval_ms, tiers=b"".join(tiers.get(s, ())))
+            for s, c in per.items()
+        }
+        answers = await self._fan("Touch", reqs, timeout)
         return meta_pb2.TouchResponse(stored=sum(a.stored for a in answers.values()))
 
     # ---- writes -------------------------------------------------------------------------------
@@ -536,6 +558,7 @@ class ShardedMeta:
             out.keys += a.keys
             out.pending_puts += a.pending_puts
             out.active_leases += a.active_leases
+            out.touch_interval_ms = max(out.touch_interval_ms, a.touch_interval_ms)
         out.daemons.extend(daemons.values())
         out.segments.extend(segments.values())
         return out

@@ -155,6 +155,9 @@ class SyncKVStoreClient:
     def location_stats(self) -> dict[str, int]:
         return self._client.location_stats()
 
+    def read_stats(self) -> dict[str, int]:
+        return self._client.read_stats()
+
     def stats(self):  # noqa: ANN201
         return self._run(self._client.stats())
 

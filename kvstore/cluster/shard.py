@@ -180,6 +180,8 @@ class ShardNode:
             "host": socket.gethostname(),
             "epoch": self.leader.epoch if self.leader and role == "leader" else 0,
         }
+        if role == "leader" and self.server is not None and self.server.metrics.port:
+            info["metrics_port"] = self.server.metrics.port  # where to scrape the shard while it leads
         try:
             await self.coord.announce(self.node, info, max(3 * self.ttl, 2.0))
         except Unavailable:

@@ -135,6 +135,7 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
         self.tombstones: dict[str, list[Tombstone]] = {}
         self._n_tombstones = 0
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._touch_interval = (0.0, 0.0)  # (longest touch interval reported lately, when)
         self._put_deadlines: list[tuple[float, int]] = []
         self._lease_deadlines: list[tuple[float, int]] = []
         # Extents of puts that ended uncommitted, until their write tickets lapse.

@@ -18,6 +18,7 @@ from kvstore.meta.records import AcquireResult, Tier
 from kvstore.meta.table import LIVE
 
 _NONE = np.empty(0, dtype=np.int64)
+TOUCH_INTERVAL_WINDOW_S = 60.0
 
 
 @dataclass(slots=True)
@@ -26,6 +27,8 @@ class Lease:
     deadline: float
     rows: np.ndarray
     gens: np.ndarray  # the copies read: a row moved to another tier since holds another generation
+    asked: int  # keys the Acquire asked (the run and the misses after it)
+    ssd: np.ndarray  # per run block: read from SSD (the tier when it was leased)
 
 
 class Reads:
@@ -47,15 +50,17 @@ class Reads:
     def acquire(self, packed_keys: bytes, ttl_s: float = 0.0) -> AcquireResult:
         """Leases the leading run of committed keys: none of their read replicas is evicted or
         freed until the lease is released or expires. A run of 0 takes no lease (lease id 0).
-        Blocks served from SSD are queued for promotion to DRAM. Locations are rows."""
+        Blocks served from SSD are queued for promotion to DRAM. Locations are rows.
+
+        The keys are counted as hits and misses when the lease ends (:meth:`release`: as the
+        reader loaded them); without a run, as misses now."""
         _, rows, ready = self._find(packed_keys)
         ttl = self._timeout(ttl_s, self.limits.lease_ttl_s, self.limits.max_lease_ttl_s, "lease ttl")
         n = self._run(ready)
         self._access(packed_keys, n)
         self.counters["acquires"] += 1
-        self.counters["hit_keys"] += n
-        self.counters["miss_keys"] += len(rows) - n
         if not n:
+            self.counters["miss_keys"] += len(rows)
             return AcquireResult(0, 0, _NONE, ttl)
         t = self.table
         run = rows[:n]
@@ -64,11 +69,10 @@ class Reads:
         for ref, c in zip(*np.unique(t.seg[first], return_counts=True)):
             self.segments[int(ref)].leased += int(c)
         t.leases[uniq] += times.astype(np.uint32)
-        self.counters["hit_bytes"] += int(t.length[run].sum(dtype=np.uint64))
-        self.counters["ssd_hit_keys"] += self._queue_promotions(run)
+        ssd = self._queue_promotions(run)
         lease_id = next(self._lease_ids)
         deadline = self.clock.now() + ttl
-        self.leases[lease_id] = Lease(lease_id, deadline, run, t.gen[run])
+        self.leases[lease_id] = Lease(lease_id, deadline, run, t.gen[run], len(rows), ssd)
         heapq.heappush(self._lease_deadlines, (deadline, lease_id))
         return AcquireResult(n, lease_id, run.copy(), ttl)
 
@@ -87,13 +91,23 @@ class Reads:
         elif t.is_evictable(row):
             t.stamp_one(row)
 
-    def release(self, lease_id: int, corrupt: Iterable[int] = ()) -> None:
+    def release(self, lease_id: int, corrupt: Iterable[int] = (), unread: int = 0, asked_again: bool = False) -> None:
         """Ends a lease; blocks at the ``corrupt`` run indexes failed their checksum and are dropped
-        (unless they moved to another tier meanwhile: the copy read is gone already)."""
+        (unless they moved to another tier meanwhile: the copy read is gone already).
+
+        The read is counted here: the run's first blocks as hits (by tier, and their bytes), its
+        last ``unread`` blocks (those the reader did not load) and the keys asked after the run
+        as misses, unless the reader asks those again (``asked_again``: that Acquire counts
+        them). A lease that expires counts its whole run as hits."""
         lease, bad = self._release_args(lease_id, corrupt, "rows")
+        if not 0 <= unread <= len(lease.rows):
+            raise InvalidArgument(f"unread: {unread} blocks is outside the leased run of {len(lease.rows)}")
         del self.leases[lease_id]
-        rows = lease.rows.tolist()
         t = self.table
+        self._count_hits(lease.rows[: len(lease.rows) - unread], lease.ssd[: len(lease.rows) - unread])
+        if not asked_again:
+            self.counters["miss_keys"] += lease.asked - len(lease.rows) + unread
+        rows = lease.rows.tolist()
         partial = []  # (row, copy read or -1): a block with another copy loses only the bad one
         for i in bad:
             row, gen = rows[i], int(lease.gens[i])
@@ -120,6 +134,12 @@ class Reads:
             else:
                 self._drop_primary(row)
 
+    def _count_hits(self, rows: np.ndarray, ssd: np.ndarray) -> None:
+        """Blocks a reader loaded (rows still allocated: leased, or just found)."""
+        self.counters["hit_keys"] += len(rows)
+        self.counters["hit_bytes"] += int(self.table.length[rows].sum(dtype=np.uint64))
+        self.counters["ssd_hit_keys"] += int(np.count_nonzero(ssd))
+
     def _access(self, packed: bytes, hits: int) -> None:
         """A read of a chain, for the cache policy (the keys spelled out only where it counts)."""
         if self.policy.name != "lru":
@@ -131,10 +151,13 @@ class Reads:
         rows = rows[rows >= 0]
         self.table.stamp(rows[self.table.evictable(rows)])
 
-    def touch(self, chains: list[bytes]) -> int:
+    def touch(self, chains: list[bytes], interval_s: float = 0.0, tiers: bytes = b"") -> int:
         """Reads that a client served itself from locations it held (no lease): each packed chain
         counts for the cache policy as an :meth:`acquire` of it would (access counts, recency tail
-        first, SSD blocks queued for promotion). Returns how many of the keys are stored."""
+        first, SSD blocks queued for promotion), and its stored run as hits (a key dropped since
+        the read is counted nowhere), by the tier ``tiers`` names per key (a byte per key of the
+        chains: 1 DRAM, 2 SSD; empty: each block's tier now). ``interval_s``: how long the client
+        let the reads gather (:attr:`touch_interval_s`). Returns how many of the keys are stored."""
         total, found = 0, []
         for i, packed in enumerate(chains):
             _, rows, ready = self._find(packed, f"chains[{i}]")
@@ -142,16 +165,40 @@ class Reads:
             if total > self.limits.max_batch_keys:
                 raise InvalidArgument(f"chains: over the limit of {self.limits.max_batch_keys} keys in one call")
             found.append((packed, rows, ready))
-        stored = 0
+        read_on = np.frombuffer(tiers, dtype=np.uint8)
+        if len(read_on) not in (0, total):
+            raise InvalidArgument(f"tiers: {len(read_on)} bytes for {total} keys (one per key, or none)")
+        if ((read_on != Tier.DRAM) & (read_on != Tier.SSD)).any():
+            raise InvalidArgument(f"tiers: each byte must be {int(Tier.DRAM)} (DRAM) or {int(Tier.SSD)} (SSD)")
+        self._note_touch_interval(interval_s)
+        stored, at = 0, 0
         for packed, rows, ready in found:
             n = self._run(ready)
             self._access(packed, n)
-            self._queue_promotions(rows[:n])
+            ssd = self._queue_promotions(rows[:n])
+            if len(read_on):
+                ssd = read_on[at : at + n] == Tier.SSD
+            at += len(rows)
+            self._count_hits(rows[:n], ssd)
             self._touch_rows(rows)
             stored += n
             self.counters["touches"] += 1
             self.counters["touched_keys"] += n
         return stored
+
+    def _note_touch_interval(self, interval_s: float) -> None:
+        """Keeps the longest touch interval reported within about the last minute."""
+        now = self.clock.now()
+        cur, since = self._touch_interval
+        if interval_s >= cur or now - since > TOUCH_INTERVAL_WINDOW_S:
+            self._touch_interval = (interval_s, now)
+
+    @property
+    def touch_interval_s(self) -> float:
+        """How late hits of reads from known locations reach the counters: the longest touch
+        interval a client reported within about the last minute (0 when none did)."""
+        cur, since = self._touch_interval
+        return cur if self.clock.now() - since <= 2 * TOUCH_INTERVAL_WINDOW_S else 0.0
 
     def tiers(self, packed_keys: bytes) -> tuple[bytes, dict[str, tuple[str, bytearray]]]:
         """Where each key is, per tier: a byte per key, a bit per tier that holds a replica of it

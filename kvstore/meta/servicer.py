@@ -236,7 +236,7 @@ class MetaServicer(DaemonCalls):
             nbytes = int(locs.length.sum())
             fits, held = self.quotas.leases.fits(ident.name, nbytes, self.index.leases.__contains__)
             if not fits:
-                self.index.release(res.lease_id)
+                self.index.release(res.lease_id, unread=res.hit_count)  # nothing was read: misses
                 raise ResourceExhausted(
                     f"tenant {ident.name!r} holds {held} bytes in read leases; {nbytes} more would pass its quota of "
                     f"{self.quotas.max_leased} (meta.tenant_max_leased_bytes): release leases first"
@@ -258,7 +258,9 @@ class MetaServicer(DaemonCalls):
         ident = self._who(context, "tenant", "admin")
         self._own(self._lease_owner, self.index.leases, ident, request.lease_id, "lease")
         mark = self.link.mark()
-        self.index.release(request.lease_id, unpack(request.corrupt, U32, "corrupt"))
+        self.index.release(
+            request.lease_id, unpack(request.corrupt, U32, "corrupt"), request.unread, request.asked_again
+        )
         self.quotas.leases.drop(request.lease_id)
         await self.link.flush(mark)
         return meta_pb2.ReleaseResponse(released=True)
@@ -269,7 +271,8 @@ class MetaServicer(DaemonCalls):
             raise InvalidArgument(
                 f"chains: {len(request.chains)} chains is over the limit of {self.index.limits.max_batch_keys}"
             )
-        stored = self.index.touch([self._keys(c, ident) for c in request.chains])
+        chains = [self._keys(c, ident) for c in request.chains]
+        stored = self.index.touch(chains, request.interval_ms / 1000.0, request.tiers)
         self._drain_soon()
         return meta_pb2.TouchResponse(stored=stored)
 
@@ -323,6 +326,7 @@ class MetaServicer(DaemonCalls):
             keys=len(idx),
             pending_puts=len(idx.puts),
             active_leases=len(idx.leases),
+            touch_interval_ms=round(idx.touch_interval_s * 1000),
         )
         for d in idx.daemons.values():
             resp.daemons.append(

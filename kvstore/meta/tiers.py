@@ -72,19 +72,19 @@ class TierMoves:
         self._plan_promotions(plans, max_bytes, skip)
         return plans
 
-    def _queue_promotions(self, rows: np.ndarray) -> int:
+    def _queue_promotions(self, rows: np.ndarray) -> np.ndarray:
         """Blocks just read (or touched) from SSD, to be promoted to DRAM in the background;
-        returns how many of ``rows`` are on SSD."""
+        returns which of ``rows`` are on SSD."""
         t = self.table
         on = t.seg[rows]
-        n = 0
+        ssd = np.zeros(len(rows), dtype=bool)
         for ref in np.unique(on).tolist():
             if self.segments[ref].spec.tier == Tier.SSD:
-                mine = rows[on == ref]
-                n += len(mine)
-                for row in mine.tolist():
+                mask = on == ref
+                ssd |= mask
+                for row in rows[mask].tolist():
                     self.promote_queue[row] = int(t.gen[row])
-        return n
+        return ssd
 
     def _plan_promotions(self, plans: dict[str, list[Move]], max_bytes: int, skip: set[str]) -> None:
         """Blocks read from SSD come back to DRAM, oldest read first, into the room above the

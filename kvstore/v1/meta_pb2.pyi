@@ -236,12 +236,16 @@ class AcquireResponse(_message.Message):
     def __init__(self, hit_count: _Optional[int] = ..., lease_id: _Optional[int] = ..., locations: _Optional[_Union[_common_pb2.Locations, _Mapping]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id", "corrupt")
+    __slots__ = ("lease_id", "corrupt", "unread", "asked_again")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    UNREAD_FIELD_NUMBER: _ClassVar[int]
+    ASKED_AGAIN_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     corrupt: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., corrupt: _Optional[bytes] = ...) -> None: ...
+    unread: int
+    asked_again: bool
+    def __init__(self, lease_id: _Optional[int] = ..., corrupt: _Optional[bytes] = ..., unread: _Optional[int] = ..., asked_again: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -250,10 +254,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class TouchRequest(_message.Message):
-    __slots__ = ("chains",)
+    __slots__ = ("chains", "interval_ms", "tiers")
     CHAINS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     chains: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, chains: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    interval_ms: int
+    tiers: bytes
+    def __init__(self, chains: _Optional[_Iterable[bytes]] = ..., interval_ms: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
 class TouchResponse(_message.Message):
     __slots__ = ("stored",)
@@ -310,7 +318,7 @@ class DaemonStats(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.DaemonInfo, _Mapping]] = ..., alive: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("daemons", "segments", "counters", "keys", "pending_puts", "active_leases")
+    __slots__ = ("daemons", "segments", "counters", "keys", "pending_puts", "active_leases", "touch_interval_ms")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -324,13 +332,15 @@ class StatsResponse(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    TOUCH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     daemons: _containers.RepeatedCompositeFieldContainer[DaemonStats]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
     counters: _containers.ScalarMap[str, int]
     keys: int
     pending_puts: int
     active_leases: int
-    def __init__(self, daemons: _Optional[_Iterable[_Union[DaemonStats, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., keys: _Optional[int] = ..., pending_puts: _Optional[int] = ..., active_leases: _Optional[int] = ...) -> None: ...
+    touch_interval_ms: int
+    def __init__(self, daemons: _Optional[_Iterable[_Union[DaemonStats, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., keys: _Optional[int] = ..., pending_puts: _Optional[int] = ..., active_leases: _Optional[int] = ..., touch_interval_ms: _Optional[int] = ...) -> None: ...
 
 class AdvanceClockRequest(_message.Message):
     __slots__ = ("seconds",)

@@ -580,6 +580,14 @@ def test_dashboard_queries_name_only_metrics_the_servers_export(tmp_path):
     exported.add("kvstore_rpc_errors_total")
     missing = sorted(_dashboard_metrics() - exported)
     assert not missing, f"dashboard queries metrics nobody exports: {missing}"
+    # The hit-rate panel: hits (every get's, fast-path reads included) over hits and misses.
+    import json
+
+    panel = next(p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"] == "Hit rate of gets")
+    names = set(re.findall(r"\bkvstore_[a-z0-9_]+", panel["targets"][0]["expr"]))
+    assert names == {"kvstore_meta_hits_total", "kvstore_meta_misses_total"} and names <= exported
+    assert "kvstore_meta_touch_interval_seconds" in panel["description"]
+    assert "kvstore_meta_touch_interval_seconds" in exported
 
 
 def test_the_secured_cluster_files_load(tmp_path):
