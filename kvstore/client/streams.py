@@ -1,13 +1,20 @@
 """Lookups on one long-lived gRPC stream (``MetaService.LookupStream``).
 
 A unary gRPC call in Python costs a call's set-up on both sides, about half of a lookup's round
-trip; a stream pays it once. Requests are pipelined: callers write in turn (their futures queued in
-the same order), the service answers in order, and one reader task hands each answer to the oldest
+trip; a stream pays it once. Requests are pipelined: callers queue them in turn (their futures
+in the same order), the service answers in order, and one reader task hands each answer to the oldest
 waiting caller. A refusal from the service (bad input, permission) ends the stream: the caller
 whose request it answers (the oldest waiting) gets it, typed; the others, whose requests may be
 fine, are asked again with unary calls. A stream the transport ends (the service away, a gRPC core
 error) blames nobody: every waiting caller is asked again. The next lookup opens a new stream. A service without the method (older) is
 asked with unary calls from then on.
+
+Each call's requests come from an iterator of the stream's own (:class:`_Requests`), which the
+stream ends whenever the call ends, however it ends. gRPC consumes such an iterator with a task
+of its own; a call written to with ``call.write`` through a client interceptor (the bearer token
+of ``client.token``, :func:`kvstore.tls.aio_channel`) has such a task too, over an iterator that
+nobody ends once the service has ended the call: that task would be left pending, and destroyed
+pending when the client's loop closes.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import grpc
 from kvstore.errors import KVStoreError, Unavailable, from_rpc_error
 
 log = logging.getLogger("kvstore.client")
+# How long close() waits for the service to end the stream before it cancels the call.
+_CLOSE_GRACE_S = 2.0
 # Statuses with which the service refuses one request (the one the stream was answering).
 _REFUSALS = frozenset(
     {
@@ -36,45 +45,52 @@ _REFUSALS = frozenset(
 )
 
 
+class _Requests:
+    """The requests of one call, in the order callers queued them, until :meth:`end`."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self) -> _Requests:
+        return self
+
+    async def __anext__(self) -> Any:
+        request = await self._queue.get()
+        if request is None:
+            raise StopAsyncIteration
+        return request
+
+    def put(self, request: Any) -> None:
+        self._queue.put_nowait(request)
+
+    def end(self) -> None:
+        self._queue.put_nowait(None)
+
+
 class LookupStream:
     def __init__(self, stub: Any, unary: Any, timeout_s: float) -> None:
         self._stub = stub
         self._unary = unary  # fallback: (request) -> awaitable response, typed errors
         self._timeout_s = timeout_s
         self._call: Any = None
+        self._requests: _Requests | None = None
         self._reader: asyncio.Task | None = None
         self._waiting: deque[asyncio.Future] = deque()
-        self._write = asyncio.Lock()
         self._unsupported = False
 
     async def ask(self, request: Any) -> Any:
         if self._unsupported:
             return await self._unary(request)
-        loop = asyncio.get_running_loop()
-        async with self._write:
-            if self._call is None:
-                self._open()
-            call = self._call
-            fut = loop.create_future()
-            self._waiting.append(fut)
-            try:
-                await call.write(request)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                # The stream has ended: its reader hands the service's error to the caller it
-                # answers. This request never went out: it is asked again.
-                if fut in self._waiting:
-                    self._waiting.remove(fut)
-                fut.cancel()
-                fut = None
-                if self._reader is None or self._reader.done():  # no reader left to end it
-                    self._reset(call, None)
-            except BaseException:
-                # Cancelled mid-write: whether the request went out is unknown, so answers could
-                # no longer be matched to callers. Start over; the others are asked again.
-                self._reset(call, None)
-                raise
-        if fut is None:
-            return await self._unary(request)
+        if self._call is None:
+            self._open()
+        call, requests = self._call, self._requests
+        assert requests is not None
+        # Queued with its caller's future in one step (no await between): answers come back in
+        # the order of the queue. A request queued on a call that has ended meanwhile is asked
+        # again when the reader ends the call (_reset).
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        requests.put(request)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self._timeout_s)
         except asyncio.TimeoutError:
@@ -88,7 +104,8 @@ class LookupStream:
             return await self._unary(request)
 
     def _open(self) -> None:
-        self._call = self._stub.LookupStream()
+        self._requests = _Requests()
+        self._call = self._stub.LookupStream(self._requests)
         self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
 
     async def _read(self, call: Any) -> None:
@@ -129,6 +146,9 @@ class LookupStream:
             return
         self._call = None
         call.cancel()
+        if self._requests is not None:  # gRPC's task that sends them ends with it
+            self._requests.end()
+            self._requests = None
         waiting, self._waiting = self._waiting, deque()
         first = err is not None
         for fut in waiting:
@@ -145,11 +165,22 @@ class LookupStream:
         log.debug("event=lookup_stream_reset reason=%r", str(err))
 
     async def close(self) -> None:
-        call, reader = self._call, self._reader
+        """Ends the stream as a client should: no more requests, the service answers those it
+        has and ends the call, whose status gRPC receives (its task for that ends with it; a
+        call cancelled here would leave that task waiting on gRPC's core after the close). A
+        service that has not ended it within the grace has the call cancelled, and callers still
+        waiting get Unavailable."""
+        call, reader, requests = self._call, self._reader, self._requests
         if call is None:
             return
+        if requests is not None:
+            requests.end()
+        try:
+            await asyncio.wait_for(call.code(), min(self._timeout_s, _CLOSE_GRACE_S))
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
         self._reset(call, Unavailable("the client closed"), everyone=True)
-        # Let the cancelled call and its reader finish before the channel closes.
+        # Let the call and its reader finish before the channel closes.
         if reader is not None:
             await asyncio.gather(reader, return_exceptions=True)
         try:

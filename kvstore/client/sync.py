@@ -25,6 +25,22 @@ from kvstore.tls import TlsConfig
 _CLOSE_GRACE_S = 2.0  # how long close() lets calls in progress finish before it cancels them
 
 
+async def _settle() -> None:
+    """What asyncio.run does before it closes its loop: the tasks still on the client's loop
+    once the client has closed (gRPC's own, woken by the close of the channel and its calls) run
+    to their end, those still pending after a grace are cancelled, and asynchronous generators
+    are closed; a task left pending when the loop closes would be destroyed with a warning."""
+    here = asyncio.current_task()
+    tasks = {t for t in asyncio.all_tasks() if t is not here}
+    if tasks:
+        _done, late = await asyncio.wait(tasks, timeout=_CLOSE_GRACE_S)
+        for t in late:
+            t.cancel()
+        if late:
+            await asyncio.wait(late, timeout=_CLOSE_GRACE_S)
+    await asyncio.get_running_loop().shutdown_asyncgens()
+
+
 class SyncKVStoreClient:
     def __init__(
         self, meta: str | None = None, config: ClientConfig | None = None, tls: TlsConfig | None = None
@@ -90,9 +106,12 @@ class SyncKVStoreClient:
         try:
             asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            try:
+                asyncio.run_coroutine_threadsafe(_settle(), self._loop).result()
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+                self._loop.close()
 
     def lookup(self, keys: Sequence[bytes] | bytes) -> int:
         hit = self._on_port(keys, False)
