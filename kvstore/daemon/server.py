@@ -3,12 +3,13 @@
 - DRAM segment: a shared-memory arena (:class:`~kvstore.daemon.arena.ShmArena`) that same-host
   clients map and write directly; it survives a daemon crash and is reattached on restart.
 - Data port: framed TCP reads and writes for other hosts (:mod:`kvstore.daemon.dataport`).
-- Control API (gRPC): ``Info``, ``GetInventory``, ``Move``, and the metadata service's
-  ``Commit`` (a put's blocks become committed: the daemon writes their sealed headers or
-  journal records) and ``Invalidate`` (committed blocks dropped by the service), plus health
-  checking, plus gRPC reflection. Only the daemon writes headers, sealed with its secret
-  (:class:`~kvstore.extent.Sealer`), so its inventory lists exactly the committed, not-dropped
-  blocks. The segment operations themselves are :mod:`kvstore.daemon.operations`.
+- Control API (gRPC, :mod:`kvstore.daemon.control`): ``Info``, ``GetInventory``, ``Move``, and
+  the metadata service's ``Commit`` (a put's blocks become committed: the daemon writes their
+  sealed headers or journal records) and ``Invalidate`` (committed blocks dropped by the
+  service), plus health checking, plus gRPC reflection. Only the daemon writes headers, sealed
+  with its secret (:class:`~kvstore.extent.Sealer`), so its inventory lists exactly the
+  committed, not-dropped blocks. The segment operations themselves are
+  :mod:`kvstore.daemon.operations`.
 - Registration: on start, and whenever the metadata service answers a heartbeat with "unknown"
   (it restarted, or our lease lapsed), the daemon registers again with a fresh scan of its
   segments (on a thread: the event loop keeps answering), so the index is rebuilt from what the
@@ -36,17 +37,17 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from kvstore import tickets
 from kvstore.blocks import BlockCols
 from kvstore.cluster.slots import arena_of
 from kvstore.config import ClusterConfig, DaemonConfig, default_host_id
 from kvstore.daemon.arena import ShmArena, remove_files
+from kvstore.daemon.control import Control
 from kvstore.daemon.dataport import DataPort
 from kvstore.daemon.links import MetaLink
 from kvstore.daemon.operations import SegmentOps
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.daemon.staging import Staging
-from kvstore.errors import Expired, InvalidArgument, PermissionDenied
+from kvstore.errors import Expired, InvalidArgument
 from kvstore.extent import Sealer, scan
 from kvstore.meta.records import SEGMENT_ALIGN, Tier
 from kvstore.metrics import DAEMON_COUNTERS, DaemonCollector, MetricsHttp
@@ -60,92 +61,6 @@ _DIRECT_QUIET_S = 0.05
 
 DRAM_SEGMENT = 1
 SSD_SEGMENT = 2
-
-
-class _Control:
-    """The daemon's gRPC control API (statuses by cause through :mod:`kvstore.rpc`)."""
-
-    def __init__(self, daemon: CacheDaemon) -> None:
-        self.daemon = daemon
-        self.peers = {p.strip() for p in daemon.cfg.control_peers.split(",") if p.strip()}
-        self.seen = tickets.SeenSignatures(daemon.cfg.ticket_skew_s)
-
-    def _check(self, context, method: str, request, shard: int | None = None) -> None:  # noqa: ANN001
-        """Only the metadata service may drive the daemon. With mutual TLS: a certificate whose
-        common name is listed in daemon.control_peers. Without it, where the service has
-        identities (this daemon has a token): a call signed with the ticket key the daemon gave
-        that shard's service (:func:`kvstore.tickets.sign_control`), unless that service said it
-        hands out no tickets (then nothing on this daemon is protected, and registration logged
-        it). Without identities the service's own API is open to any peer, and so is this one.
-        In-process calls carry no context."""
-        if context is None:
-            return
-        d = self.daemon
-        if d.tls is not None and d.tls.enabled:
-            names = {cn.decode(errors="replace") for cn in (context.auth_context() or {}).get("x509_common_name", ())}
-            if not names & self.peers:
-                raise PermissionDenied(
-                    f"the control API serves only {sorted(self.peers)}, not {sorted(names) or 'anonymous'}"
-                )
-            return
-        if not d.cfg.token:
-            return
-        value = dict(context.invocation_metadata() or ()).get(tickets.CONTROL_MD)
-        got = tickets.parse_control(value) if isinstance(value, str) else None
-        if got is None:
-            links = d.links if shard is None else d.links[shard : shard + 1]
-            if links and all(link.tickets is False for link in links):
-                return
-            raise PermissionDenied(f"{method}: the control API serves only the metadata service (an unsigned call)")
-        sig_shard, stamp, nonce, tag = got
-        if shard is not None and sig_shard != shard:
-            raise PermissionDenied(f"{method}: signed for shard {sig_shard}, asks for shard {shard}")
-        if sig_shard >= len(d.links):
-            raise PermissionDenied(f"{method}: signed for shard {sig_shard}, this daemon knows {len(d.links)}")
-        link = d.links[sig_shard]
-        why = tickets.check_control(
-            link.ticket_key, method, sig_shard, stamp, nonce, tag, request.SerializeToString(deterministic=True),
-            d.cfg.ticket_skew_s,
-        )  # fmt: skip
-        if why:
-            raise PermissionDenied(f"{method}: {why}")
-        if not self.seen.first(tag):
-            raise PermissionDenied(f"{method}: this signed call was already served (a replay)")
-
-    async def Info(self, request, context):
-        self._check(context, "Info", request)
-        return self.daemon.info()
-
-    async def GetInventory(self, request, context):
-        self._check(context, "GetInventory", request)
-        invs, discarded = await asyncio.to_thread(self.daemon.inventory, request.verify)
-        return daemon_pb2.InventoryResponse(inventory=invs, discarded=discarded)
-
-    # Commit, Invalidate and Move are carried out through their link (MetaLink.carry_out): a
-    # registration of the daemon with that shard waits for the calls made for the one before
-    # to end before it takes its inventory (kvstore.daemon.links.MetaLink.register).
-
-    async def Move(self, request, context):
-        self._check(context, "Move", request, request.shard)
-        self.daemon.check_epoch(request.shard, request.epoch, request.registration)
-        link = self.daemon.links[request.shard]
-        reg = request.registration
-        # A batch of moves is long (SSD writes): one made for a registration that has ended
-        # stops at its next block rather than hold the new one up.
-        current = (lambda: link.registration == reg) if reg else None
-        return await link.carry_out(asyncio.to_thread(self.daemon.move, request, current))
-
-    async def Commit(self, request, context):
-        self._check(context, "Commit", request, request.shard)
-        self.daemon.check_epoch(request.shard, request.epoch, request.registration)
-        return await self.daemon.links[request.shard].carry_out(self.daemon.run(self.daemon.commit, request))
-
-    async def Invalidate(self, request, context):
-        self._check(context, "Invalidate", request, request.shard)
-        self.daemon.check_epoch(request.shard, request.epoch, request.registration)
-        link = self.daemon.links[request.shard]
-        cleared = await link.carry_out(self.daemon.run(self.daemon.invalidate, request.invalidations))
-        return daemon_pb2.InvalidateResponse(cleared=cleared)
 
 
 class CacheDaemon:
@@ -202,7 +117,7 @@ class CacheDaemon:
             staging=self.staging,
             one_ticket_key=self.one_ticket_key,
         )
-        self.control = _Control(self)  # served over gRPC; called directly by an in-process service
+        self.control = Control(self)  # served over gRPC; called directly by an in-process service
         self.control_port = 0
         self._server: grpc.aio.Server | None = None
         # One link to the metadata service (daemon.meta), or one per shard of a cluster

@@ -18,7 +18,8 @@ import pytest
 from kvstore import KeySpace, ModelFingerprint
 from kvstore.client import KVStoreClient
 from kvstore.config import ClientConfig, DaemonConfig, MetaConfig
-from kvstore.daemon.server import DRAM_SEGMENT, SSD_SEGMENT, CacheDaemon, _Control
+from kvstore.daemon.control import Control
+from kvstore.daemon.server import DRAM_SEGMENT, SSD_SEGMENT, CacheDaemon
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.errors import KVStoreError
 from kvstore.extent import SSD_ALIGN, extent_size
@@ -65,7 +66,7 @@ async def until(pred, timeout: float = 15.0) -> None:  # noqa: ANN001
 
 async def test_a_commit_delayed_past_a_new_registration_is_refused_and_commits_nothing(tmp_path, monkeypatch):
     held, release = asyncio.Event(), asyncio.Event()
-    original = _Control.Commit
+    original = Control.Commit
 
     async def slow_first_commit(self, request, context):  # noqa: ANN001, ANN202
         if not held.is_set():
@@ -73,7 +74,7 @@ async def test_a_commit_delayed_past_a_new_registration_is_refused_and_commits_n
             await release.wait()
         return await original(self, request, context)
 
-    monkeypatch.setattr(_Control, "Commit", slow_first_commit)
+    monkeypatch.setattr(Control, "Commit", slow_first_commit)
     meta, port = await start_meta()
     daemon = await start_daemon(tmp_path, port, "fence")
     client = KVStoreClient(f"127.0.0.1:{port}", ClientConfig(retries=0))

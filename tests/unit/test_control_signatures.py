@@ -1,5 +1,5 @@
 """The daemon's control API without mutual TLS, where the service has identities
-(kvstore.daemon.server._Control._check, kvstore.tickets.sign_control): only calls the service
+(kvstore.daemon.control.Control._check, kvstore.tickets.sign_control): only calls the service
 signed with the shard's ticket key pass, each once; a signature does not carry over to another
 method, shard, request body or key, nor outlive the skew."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvstore import tickets
-from kvstore.daemon.server import _Control
+from kvstore.daemon.control import Control
 from kvstore.errors import PermissionDenied
 from kvstore.v1 import daemon_pb2
 
@@ -27,10 +27,10 @@ class Ctx:
         return self.md
 
 
-def control(token: str = "node-token", tickets_on: bool | None = True) -> _Control:
+def control(token: str = "node-token", tickets_on: bool | None = True) -> Control:
     cfg = SimpleNamespace(token=token, ticket_skew_s=30.0, control_peers="meta")
     links = [SimpleNamespace(ticket_key=k, tickets=tickets_on) for k in KEYS]
-    return _Control(SimpleNamespace(cfg=cfg, tls=None, links=links))
+    return Control(SimpleNamespace(cfg=cfg, tls=None, links=links))
 
 
 def signed(key: bytes, method: str, shard: int, req) -> Ctx:  # noqa: ANN001
