@@ -247,8 +247,10 @@ async def _serve(cfg: Config, with_meta: bool, with_daemon: bool) -> None:
             )
             if meta is not None:  # one process: the service calls the daemon directly
                 meta.link.attach_local(daemon.daemon_id, daemon)
+                if not cfg.daemon.token:  # and trusts it through a token only this process knows
+                    cfg.daemon.token = meta.local_daemon_token(daemon.daemon_id)
             await daemon.start()
-            await asyncio.wait_for(daemon.registered.wait(), timeout=60)
+            await daemon.until_registered(timeout=60)
             info.update(
                 daemon_id=daemon.daemon_id,
                 data_port=daemon.dataport.port,

@@ -15,6 +15,13 @@ Each registration also gets a number of its own (:func:`new_registration`, made 
 inventory is taken) that the service puts in every control call it makes for it: a call made
 for an earlier registration (queued across a restart of the daemon, or made before its lease
 lapsed) is refused, so it cannot write an extent the new registration handed to another block.
+
+Credentials: a service with identities (``meta.auth_file``) that refuses this daemon's first
+registration (no ``daemon.token``, one it does not know, or one of another identity) stops the
+daemon with an error that names the settings (:meth:`MetaLink.refused`): trying again cannot
+help. A daemon that registered before and is refused later (the service was restarted with other
+identities) keeps its blocks and tries again, backing off, with an error line each time. A
+service that does not answer is waited for, with a warning line now and then that says where.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from kvstore import tickets
 from kvstore.blocks import BlockCols
 from kvstore.cluster.slots import arena
 from kvstore.daemon.registration import send_registration
-from kvstore.errors import Unavailable
+from kvstore.errors import KVStoreError, PermissionDenied, Unauthenticated, Unavailable
 from kvstore.keys import KEY_BYTES
 from kvstore.rpc import GRPC_OPTIONS
 from kvstore.tls import aio_channel
@@ -46,6 +53,11 @@ log = logging.getLogger("kvstore.daemon")
 LOOP_FAILURES_UNHEALTHY = 3
 # While a link is not registered, it tries again this often (a shard's failover waits on it).
 RETRY_S = 0.1
+# A service that does not answer is logged at once, then every this many seconds while it lasts.
+UNREACHABLE_LOG_S = 30.0
+# A registered daemon whose credentials are refused later tries again after 1 s, 2 s, ... up to this.
+REFUSED_BACKOFF_MAX_S = 30.0
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 def shard_inventory(
@@ -103,6 +115,10 @@ class MetaLink:
         self.lease_ttl = 3.0  # the service's daemon lease, learnt at registration
         self.failures = 0
         self.task: asyncio.Task | None = None
+        self.ever_registered = False  # registered at least once since the daemon started
+        self._down_since: float | None = None  # loop time of the first failed call in a row
+        self._down_logged = 0.0
+        self._refusals = 0  # credentials refused in a row (after a first registration)
 
     async def carry_out(self, work: Coroutine):  # noqa: ANN201
         """Carries out ``work``, a control call of this shard that passed its checks, counted
@@ -213,6 +229,7 @@ class MetaLink:
         self.need_register = False
         self.heartbeated = False
         self.registered = True
+        self.ever_registered = True
         return max(resp.heartbeat_interval_ms / 1000.0, 0.01)
 
     def _inventory(self) -> tuple[list[common_pb2.Inventory], int]:
@@ -257,17 +274,88 @@ class MetaLink:
                 if self.coord is not None and self.shard == 0:
                     await self._announce(interval)
                 self.failures = 0
-            except (grpc.aio.AioRpcError, Unavailable) as e:
-                # A restarted service answers "unknown" to the next heartbeat; until then, wait.
-                # In a cluster, the next round looks the shard's leader up again.
+                self._answered()
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _REFUSED:
+                    # A restarted service answers "unknown" to the next heartbeat; until then,
+                    # wait. In a cluster, the next round looks the shard's leader up again.
+                    d.counters["heartbeat_failures"] += 1
+                    self._unreachable(e.details() or e.code().name)
+                else:
+                    err = self.refused(e)
+                    if not self.ever_registered:
+                        log.error(
+                            "event=registration_refused daemon=%s shard=%d addr=%s action=stop reason=%r",
+                            d.daemon_id, self.shard, self.addr, str(err),
+                        )  # fmt: skip
+                        d.fail(err)
+                        return
+                    d.counters["heartbeat_failures"] += 1
+                    self._refusals += 1
+                    wait = min(REFUSED_BACKOFF_MAX_S, 2.0 ** (self._refusals - 1))
+                    log.error(
+                        "event=credentials_refused daemon=%s shard=%d addr=%s retry_in_s=%.0f reason=%r",
+                        d.daemon_id, self.shard, self.addr, wait, str(err),
+                    )  # fmt: skip
+                    self._forgotten("credentials refused")
+                    await d.links_changed()
+                    await asyncio.sleep(wait)
+                    continue
+            except Unavailable as e:
                 d.counters["heartbeat_failures"] += 1
-                log.debug("event=meta_unreachable shard=%d error=%s", self.shard, e)
+                self._unreachable(str(e))
             except Exception:  # noqa: BLE001 - the loop must outlive any one failure
                 d.counters["heartbeat_failures"] += 1
                 self.failures += 1
                 log.exception("event=heartbeat_loop_error daemon=%s consecutive=%d", d.daemon_id, self.failures)
             await d.links_changed()
             await asyncio.sleep(RETRY_S if (self.need_register or not self.ok) and self.coord is not None else interval)
+
+    def refused(self, e: grpc.aio.AioRpcError) -> KVStoreError:
+        """The service's refusal of this daemon's credentials, as an error that says which
+        settings to fix."""
+        d = self.d
+        did = d.daemon_id
+        head = f"the metadata service at {self.addr or 'the shard leader'} refused daemon {did!r} ({e.details()})"
+        entry = (
+            f"the service has identities (meta.auth_file): list this daemon there as "
+            f"`{did}: {{role: daemon, tokens: [<16+ random characters>]}}` and start it with "
+            f"daemon.daemon_id={did} and daemon.token=<that token>"
+        )
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            has = "daemon.token is not set" if not d.cfg.token else "its daemon.token is not one the service knows"
+            return Unauthenticated(f"{head}: {has}; {entry}")
+        return PermissionDenied(
+            f"{head}: daemon.token must be the token of a daemon identity named as daemon.daemon_id ({did!r}); {entry}"
+        )
+
+    def _unreachable(self, why: str) -> None:
+        """A call to the service failed for want of an answer: logged at the first failure in
+        a row, then every UNREACHABLE_LOG_S, saying where the daemon looks for the service."""
+        now = asyncio.get_running_loop().time()
+        if self._down_since is None:
+            self._down_since, self._down_logged = now, now - UNREACHABLE_LOG_S
+        if now - self._down_logged < UNREACHABLE_LOG_S:
+            log.debug("event=meta_unreachable daemon=%s shard=%d error=%s", self.d.daemon_id, self.shard, why)
+            return
+        self._down_logged = now
+        where = (
+            f"the leader of shard {self.shard} in {self.d.cluster.redis} (cluster.redis)"
+            if self.coord is not None and self.d.cluster is not None
+            else f"{self.addr} (daemon.meta)"
+        )
+        log.warning(
+            "event=meta_unreachable daemon=%s shard=%d service=%r waited_s=%.1f registered=%s action=retrying error=%r",
+            self.d.daemon_id, self.shard, where, now - self._down_since, self.registered, why,
+        )  # fmt: skip
+
+    def _answered(self) -> None:
+        if self._down_since is not None:
+            waited = asyncio.get_running_loop().time() - self._down_since
+            if waited >= 1.0:
+                log.info("event=meta_reachable daemon=%s shard=%d waited_s=%.1f", self.d.daemon_id, self.shard, waited)
+            self._down_since = None
+        self._refusals = 0
 
     async def _announce(self, interval: float) -> None:
         """Membership in Redis (for ``kvstore stat``), refreshed with the first shard's heartbeats."""

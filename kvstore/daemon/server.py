@@ -47,7 +47,7 @@ from kvstore.daemon.links import MetaLink
 from kvstore.daemon.operations import SegmentOps
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.daemon.staging import Staging
-from kvstore.errors import Expired, InvalidArgument
+from kvstore.errors import Expired, InvalidArgument, KVStoreError, Unavailable
 from kvstore.extent import Sealer, scan
 from kvstore.meta.records import SEGMENT_ALIGN, Tier
 from kvstore.metrics import DAEMON_COUNTERS, DaemonCollector, MetricsHttp
@@ -127,6 +127,9 @@ class CacheDaemon:
         self.links: list[MetaLink] = [MetaLink(self, 0, 1)]
         self._hb_tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()  # every shard knows this daemon (first registration)
+        # What stopped it from registering for good (credentials refused, kvstore.daemon.links).
+        self.fatal: KVStoreError | None = None
+        self._failed = asyncio.Event()
         self.stopping = False
         self.draining = False
         self.health = ServerHealth("kvstore.v1.DaemonControl")
@@ -283,6 +286,31 @@ class CacheDaemon:
             raise Expired(
                 f"shard {shard}: the call was made for registration {registration:#x} of this daemon, "
                 f"not its current one (it has registered since, or not yet)"
+            )
+
+    def fail(self, err: KVStoreError) -> None:
+        """A link cannot register, and trying again cannot help: :meth:`until_registered` raises
+        ``err`` (the command stops with it)."""
+        if self.fatal is None:
+            self.fatal = err
+        self._failed.set()
+
+    async def until_registered(self, timeout: float) -> None:
+        """Waits until every shard knows this daemon; raises what stopped it from registering
+        (:meth:`fail`), or Unavailable when no service answered within ``timeout`` seconds."""
+        waits = {asyncio.ensure_future(self.registered.wait()), asyncio.ensure_future(self._failed.wait())}
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if self.fatal is not None:
+            raise self.fatal
+        if not self.registered.is_set():
+            where = f"cluster.redis={self.cluster.redis}" if self._coord is not None else f"daemon.meta={self.cfg.meta}"
+            raise Unavailable(
+                f"daemon {self.daemon_id!r} did not register within {timeout:g} s: no metadata service answered "
+                f"({where}; the log's event=meta_unreachable lines say why)"
             )
 
     @property

@@ -24,12 +24,18 @@ of two tenants are two blocks, dedup is per tenant, and no tenant can name anoth
 difference of two masks is unknown without the secret. Clients get their blocks' stored keys in
 the locations they are handed, for the data port. Without ``meta.auth_file`` every caller is
 trusted, as one tenant.
+
+The daemon that runs in the service's own process (``kvstore serve``) needs no entry in the file:
+the process mints it a token of its own (:meth:`Authority.mint`), 256 random bits that are kept
+in memory only and travel only on the daemon's channel to its own service, so no other caller
+can present them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +106,21 @@ class Authority:
             if ident is not None:
                 return ident
         raise Unauthenticated("no known credentials: a bearer token or a listed client certificate is required")
+
+    def mint(self, name: str, role: str) -> str:
+        """A new token for the identity ``name`` in ``role``, known to this process only (it is
+        written nowhere): the credentials of a part of the service's own process. Refused where
+        the file gives ``name`` another role."""
+        if role not in ROLES:
+            raise InvalidArgument(f"unknown role {role!r} (one of {ROLES})")
+        for ident in (*self.tokens.values(), *self.certs.values()):
+            if ident.name == name and ident.role != role:
+                raise InvalidArgument(
+                    f"meta.auth_file names {name!r} as a {ident.role}; a {role} of this process cannot have that name"
+                )
+        token = secrets.token_urlsafe(32)
+        self.tokens[token] = Identity(name, role)
+        return token
 
     def mask(self, tenant: str) -> np.ndarray:
         m = self._masks.get(tenant)

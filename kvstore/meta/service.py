@@ -118,10 +118,20 @@ class MetaServer:
         self._failing: dict[str, int] = {}  # background loop -> consecutive failures
         self._stopping = False
         self.lookup_port: LookupPort | None = None
+        self.authority: Authority | None = None  # identities (meta.auth_file), read at start
+
+    def local_daemon_token(self, daemon_id: str) -> str:
+        """The bearer token for a daemon in this process (``kvstore serve``), after start(): with
+        identities (meta.auth_file), one minted for ``daemon_id`` that no one outside the process
+        knows (:meth:`kvstore.meta.auth.Authority.mint`); without, none is needed ("")."""
+        if self.authority is None:
+            return ""
+        return self.authority.mint(daemon_id, "daemon")
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
         authority = Authority(self.cfg.auth_file, self.cfg.tenant_secret_file) if self.cfg.auth_file else None
+        self.authority = authority
         quotas = Quotas(self.cfg.tenant_max_leased_bytes, self.cfg.tenant_max_pinned_bytes)
         servicer = MetaServicer(
             self.index,
