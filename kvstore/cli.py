@@ -4,6 +4,7 @@
     kvstore meta   [--listen ADDR]                                metadata service alone
     kvstore daemon --meta ADDR [--dram SIZE] [--data-dir D]       one cache daemon
     kvstore stat   [--meta ADDR] [--json]                         nodes, tiers, bytes, counters
+    kvstore shm    list|clean [--shm-dir D] [--dry-run] [--json]  daemons' shared memory: held or stale
     kvstore demo                                                  embedded store + prefix-reuse workload
     kvstore bench  SUITE                                          the benchmark suite (from a checkout)
 
@@ -30,7 +31,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.config import Config, load_config
+from kvstore.daemon import shm
 from kvstore.errors import KVStoreError
+from kvstore.tables import fmt_bytes as _fmt_bytes
+from kvstore.tables import print_table as _table
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -80,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--meta", help="metadata service address")
     p.add_argument("--redis", help="a cluster's coordination (cluster.redis): shards, leaders, epochs too")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("shm", help="the daemons' shared memory (daemon.shm_dir): list it, remove what no daemon holds")
+    shm.add_arguments(p, _common)
 
     for name, plugin in _plugins().items():
         if hasattr(plugin, "add_arguments"):
@@ -181,6 +188,7 @@ def _config(ns: argparse.Namespace) -> Config:
         ("data_dir", "daemon.data_dir"),
         ("dram", "daemon.dram_bytes"),
         ("host", "daemon.host"),
+        ("shm_dir", "daemon.shm_dir"),
         ("metrics_port", "meta.metrics_port" if ns.cmd in ("serve", "meta") else "daemon.metrics_port"),
         ("redis", "cluster.redis"),
         ("shards", "cluster.shards"),
@@ -287,20 +295,6 @@ async def _shard(cfg: Config) -> None:
     await run
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def _table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
-
-
 def _print_cluster(cl: dict) -> None:
     """Shards (slots, leader, epoch, keys), then every member process."""
     rows = [("shard", "slots", "leader", "address", "epoch", "keys", "daemons")]
@@ -383,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(_serve(cfg, False, True))
         elif ns.cmd == "stat":
             return _stat(cfg, ns.json)
+        elif ns.cmd == "shm":
+            return shm.run(ns, cfg.daemon.shm_dir)
         elif ns.cmd == "bench":
             return _bench(ns.suite, ns.quick)
         elif ns.cmd == "certs":

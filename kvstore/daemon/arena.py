@@ -7,7 +7,8 @@ rebuilds its inventory with :func:`kvstore.extent.scan`.
 Two locks (``flock``, which the kernel drops the moment the process dies):
 
 - the daemon holds an exclusive lock on the arena itself for as long as it runs, so that no
-  second daemon attaches to an arena that one already uses;
+  second daemon attaches to an arena that one already uses (and ``kvstore shm``,
+  :mod:`kvstore.daemon.shm`, tells a live daemon's arena from one left behind by that lock);
 - it holds one on ``<arena>.served`` while its blocks are in the metadata service's index and
   it serves them (:meth:`ShmArena.serve`): from its first heartbeat after registering (by then
   the blocks the service refused from its inventory are invalidated) until a drain, or until
@@ -35,10 +36,10 @@ def _check_owner(fd: int, path: str) -> None:
         raise PermissionError(f"shared memory {path} is owned by uid {uid}, not this process's user ({os.geteuid()})")
 
 
-def _lock_owner(fd: int, path: str, wait_s: float = 2.0) -> None:
+def _lock_owner(fd: int, path: str, deadline: float) -> None:
     """Takes the arena's exclusive lock for this daemon; another daemon that uses the arena
-    holds it for good (a few retries cover one that is just letting go)."""
-    deadline = time.monotonic() + wait_s
+    holds it for good (a few retries, until ``deadline`` on the monotonic clock, cover one that
+    is just letting go, and ``kvstore shm clean`` removing it)."""
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -47,6 +48,28 @@ def _lock_owner(fd: int, path: str, wait_s: float = 2.0) -> None:
             if time.monotonic() > deadline:
                 raise OSError(f"shared memory {path} is already in use by another daemon (it holds its lock)") from None
             time.sleep(0.01)
+
+
+def _open_owned(path: str, wait_s: float = 2.0) -> int:
+    """The daemon's descriptor of the arena at ``path`` (made if missing), its lock taken. A
+    file that left the path while we waited for its lock (``kvstore shm clean`` removes a stale
+    arena while it holds the lock) is not used: the path is opened again."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            _check_owner(fd, path)
+            _lock_owner(fd, path, deadline)  # before anything changes the file
+            try:
+                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            return fd
+        os.close(fd)
 
 
 def _stamp_key(path: str, create: bool) -> bytes | None:
@@ -75,10 +98,16 @@ def _stamp_key(path: str, create: bool) -> bytes | None:
     return key
 
 
+# Files beside a DRAM arena: the lock that says it is served, its stamp key, and the record of
+# the daemon that made it (kvstore.daemon.shm).
+SIDECARS = (".served", ".stamp", ".owner")
+
+
 def remove_files(path: str) -> None:
-    """Removes a DRAM segment's files for good: the arena, its stamp key and its lock file (a
-    daemon that starts on the path again makes new ones). Files already gone are fine."""
-    for p in (path, path + ".served", path + ".stamp"):
+    """Removes a DRAM segment's files for good: the arena, its stamp key, its lock file and its
+    owner record (a daemon that starts on the path again makes new ones). Files already gone
+    are fine."""
+    for p in (path, *(path + s for s in SIDECARS)):
         try:
             os.unlink(p)
         except FileNotFoundError:
@@ -102,12 +131,11 @@ class ShmArena:
         self.path = str(path)
         self.size = size
         self.reattached = False
+        self._owner = create  # the daemon's (a client's mapping removes nothing at close)
         if create:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fd = _open_owned(self.path)
             try:
-                _check_owner(fd, self.path)
-                _lock_owner(fd, self.path)  # before anything changes the file
                 if os.fstat(fd).st_mode & 0o077:
                     os.fchmod(fd, 0o600)
                 existing = os.fstat(fd).st_size
@@ -259,7 +287,7 @@ class ShmArena:
         return False
 
     def close(self) -> None:
-        if self._served_fd >= 0:  # the daemon: no lock file left behind
+        if self._owner:  # the daemon: no lock file left behind (served or not by now)
             Path(self.path + ".served").unlink(missing_ok=True)
         self.unserve()
         if self._probe_fd >= 0:

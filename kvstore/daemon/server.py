@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -45,6 +46,7 @@ from kvstore.daemon.control import Control
 from kvstore.daemon.dataport import DataPort
 from kvstore.daemon.links import MetaLink
 from kvstore.daemon.operations import SegmentOps
+from kvstore.daemon.shm import kept, write_owner
 from kvstore.daemon.ssd import SsdSegment
 from kvstore.daemon.staging import Staging
 from kvstore.errors import Expired, InvalidArgument, KVStoreError, Unavailable
@@ -103,6 +105,11 @@ class CacheDaemon:
                 cfg.staging_slices,
                 cfg.staging_bytes // cfg.staging_slices,
             )
+        # Which daemon (and data directory) its shared memory belongs to, for `kvstore shm list`.
+        try:
+            write_owner(self.dram.path, self.daemon_id, data_dir, self.staging.path if self.staging else "")
+        except OSError as e:  # only a record: the daemon runs without it
+            log.warning("event=shm_owner_unwritten daemon=%s path=%s error=%r", self.daemon_id, self.dram.path, str(e))
         self.dataport = DataPort(
             cfg.host,
             cfg.data_port,
@@ -381,10 +388,6 @@ class CacheDaemon:
             await asyncio.sleep(0.02)
         log.info("event=drained daemon=%s seconds=%.3f leases_left=%d", self.daemon_id, loop.time() - t0, leases)
         await self.stop()
-        if self.cfg.remove_segment_on_drain:
-            # Mappings clients still hold stay valid; the memory is freed when they let go.
-            remove_files(self.dram.path)
-            log.info("event=segment_removed daemon=%s path=%s", self.daemon_id, self.dram.path)
 
     def _direct_reading(self) -> bool:
         now = time.monotonic()
@@ -427,3 +430,19 @@ class CacheDaemon:
                     await r
             except Exception:  # noqa: BLE001 - stop the rest regardless
                 log.exception("event=stop_failed part=%s", name)
+        self._leave_shm()
+
+    def _leave_shm(self) -> None:
+        """After a stop: the DRAM segment stays for a warm restart (said in the log, with how to
+        remove it), unless the daemon retires (``--retire``, after a drain) or the segment was
+        made by this run and never registered (nothing can have been stored in it). Mappings
+        clients still hold stay valid; the memory is freed when they let go."""
+        path = self.dram.path
+        if self.draining and self.cfg.remove_segment_on_drain:
+            remove_files(path)
+            log.info("event=segment_removed daemon=%s path=%s", self.daemon_id, path)
+        elif not self.dram.reattached and not any(link.ever_registered for link in self.links):
+            remove_files(path)
+            log.info("event=segment_removed daemon=%s path=%s reason=never_registered", self.daemon_id, path)
+        elif os.path.exists(path):
+            log.info("event=shm_kept daemon=%s %s", self.daemon_id, kept(path, self.cfg.shm_dir))

@@ -6,6 +6,7 @@ settings, and leaves no shared memory behind."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -92,6 +93,8 @@ def test_a_daemon_without_credentials_stops_with_the_settings_named(cluster, tmp
     assert r.returncode == 1 and "daemon.token is not one the service knows" in r.stderr
     r = _daemon(cluster.meta_addr, tmp_path, "daemon.daemon_id=lone", f"daemon.token={TOK['a']}")
     assert r.returncode == 1 and "kvstore: PermissionDenied:" in r.stderr and "role: daemon" in r.stderr
+    # A segment made by a daemon that never registered holds nothing: it is not left behind.
+    assert not os.path.exists(tmp_path / "lone-shm" / "kvstore-lone-dram")
     # With its identity's token it registers and serves.
     cluster.start_daemon(f"daemon.token={TOK['node']}", name="node")
 
