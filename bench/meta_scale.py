@@ -34,6 +34,12 @@ Then, in order:
   registered and the same sample is found by lookups; the sample is then read back through a
   new client.
 
+Throughout, the service's own gauge of its event loop (``kvstore_event_loop_lag_max_seconds``:
+the longest the loop was held in the last minute, :mod:`kvstore.loop_watch`) is read every two
+seconds: the longest hold per phase (``loop_max_hold_ms_<phase>``) and over the point
+(``loop_max_hold_ms``), which the service's work at scale (a registration of N blocks, a lost
+daemon's drop) is to keep within 50 ms.
+
 Every phase waits at most ``--timeout`` seconds (600 by default); one that runs out is recorded
 as ``null`` and named in ``timed_out``, and the point's later phases are skipped when the fill
 did not finish. Every process started here is killed, and the daemon's shared-memory files
@@ -46,7 +52,8 @@ each pair of largest over smallest size is given likewise.
 Figures (``bench/results/meta_scale.json``): per point and at top level, with <n> the size as
 10k, 1m, 10m: ``fill_blocks_per_s`` (top level: the largest N), ``meta_rss_bytes_per_block_<n>``,
 ``daemon_rss_bytes_per_block_<n>``, ``lookup1000_p99_<n>`` (ms), ``one_key_lookups_<n>`` (per
-second), ``restart_<n>_s``, ``daemon_restart_<n>_s``, ``daemons_dropped``, ``timed_out``.
+second), ``restart_<n>_s``, ``daemon_restart_<n>_s``, ``loop_max_hold_ms_<n>``, ``daemons_dropped``,
+``timed_out``.
 ``--profile DIR`` also records the largest N with py-spy (collapsed stacks): the fill (this
 process, the service, the daemon), the service restart (the new service and the daemon) and the
 daemon restart (the service, until the new daemon is ready). It slows what it records, so the
@@ -63,6 +70,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -134,6 +142,49 @@ def metric(port: int, name: str) -> float:
     return sum(float(v) for v in pat.findall(text))
 
 
+class LoopHolds:
+    """The longest the service's event loop was held, per phase: the service's own gauge
+    (``kvstore_event_loop_lag_max_seconds``, the longest hold of its last minute) read every
+    ``POLL_S`` from a thread, from whichever service process runs at the time."""
+
+    POLL_S = 2.0
+
+    def __init__(self, cl: Cluster) -> None:
+        self.cl = cl
+        self.phase = "start"
+        self.max_s: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loop-holds", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        meta = self.cl.meta
+        port = meta.info.get("metrics_port") if meta is not None and meta.alive() else None
+        if not port:
+            return
+        try:
+            v = metric(port, "kvstore_event_loop_lag_max_seconds")
+        except OSError:  # not answering this round (restarting, busy)
+            return
+        self.max_s[self.phase] = max(self.max_s.get(self.phase, 0.0), v)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            self._read()
+
+    def enter(self, phase: str) -> None:
+        self._read()  # what the phase before ended with
+        self.phase = phase
+
+    def close(self) -> dict:
+        self._read()
+        self._stop.set()
+        self._thread.join(10)
+        out = {f"loop_max_hold_ms_{ph}": round(v * 1000, 1) for ph, v in self.max_s.items()}
+        out["loop_max_hold_ms"] = round(max(self.max_s.values(), default=0.0) * 1000, 1)
+        return out
+
+
 def make_keys(n: int) -> np.ndarray:
     """N block keys, chains of CHAIN blocks in order, as an (N, 16) uint8 array."""
     ks = KeySpace(ModelFingerprint("meta-scale", "bf16", 1, 1, 64, block_size=TOKENS), namespace="meta-scale")
@@ -166,8 +217,9 @@ class Cluster:
     def start_meta(self, timeout: float) -> procs.Child:
         with open(self.tmp / "meta.log", "ab") as log:
             self.meta = procs.start(
-                ["meta", "--listen", self.addr, *self.sets], name="kvstore meta", stderr=log, cwd=REPO, timeout=timeout
-            )
+                ["meta", "--listen", self.addr, "--metrics-port", "0", *self.sets],
+                name="kvstore meta", stderr=log, cwd=REPO, timeout=timeout,
+            )  # fmt: skip
         return self.meta
 
     def start_daemon(self, timeout: float) -> procs.Child:
@@ -426,14 +478,17 @@ def point(
     sample = [keys[i].tobytes() for i in rng.choice(n, size=min(SAMPLE, n), replace=False)]
     cl = Cluster(tmp, n, index)
     spies = Spies(profile, tag)
+    holds = None
     try:
         cl.start_meta(timeout)
+        holds = LoopHolds(cl)
         cl.start_daemon(timeout)
         r["dram_bytes"] = cl.dram
         pids = {"meta": cl.meta.proc.pid, "daemon": cl.daemon.proc.pid}
         with client(cl.addr) as c:
             assert c.lookup(keys[:1].tobytes()) == 0  # connections made, lookup port known
             before = {k: status(p) for k, p in pids.items()}
+            holds.enter("fill")
             spies.start("fill", {"client": os.getpid(), **pids})
             try:
                 r.update(fill(c, keys, time.monotonic() + timeout, pids))
@@ -455,6 +510,7 @@ def point(
             if st.keys != n:
                 raise RuntimeError(f"the service counts {st.keys:,} blocks, not {n:,}")
             r["fill_daemons_lost"] = int(st.counters.get("daemons_lost", 0))
+            holds.enter("lookups")
             r.update(lookups(c, keys, rng))
         print(
             f"{tag:>5}: fill {r['fill_blocks_per_s']:,} blocks/s, service {r['meta_rss_bytes_per_block']:,.1f} "
@@ -463,6 +519,7 @@ def point(
             flush=True,
         )
         for phase, fn in (("restart", restart_meta), ("daemon_restart", restart_daemon)) if restarts else ():
+            holds.enter(phase)
             try:
                 fn(cl, sample, timeout, r, tag, spies)
                 print(f"{tag:>5}: {phase} {r[f'{phase}_{tag}_s']} s", flush=True)
@@ -479,6 +536,8 @@ def point(
         raise
     finally:
         spies.stop()
+        if holds is not None:
+            r.update(holds.close())
         cl.close()
 
 
@@ -496,6 +555,7 @@ def summary(points: list[dict]) -> dict:
         out[f"one_key_lookups_{t}"] = p.get("one_key_lookups_per_s")
         out[f"restart_{t}_s"] = p.get(f"restart_{t}_s")
         out[f"daemon_restart_{t}_s"] = p.get(f"daemon_restart_{t}_s")
+        out[f"loop_max_hold_ms_{t}"] = p.get("loop_max_hold_ms")
     big = max(by)
     out["fill_blocks_per_s"] = by[big].get("fill_blocks_per_s")
     dropped = [p.get("daemons_dropped", 0) for p in points]
@@ -607,6 +667,15 @@ def report(result: dict) -> str:
     for k, v in result.items():
         if "_over_" in k:
             lines.append(f"- `{k}` = **{v}**")
+    for p in sorted(result["points"], key=lambda p: p["blocks"]):
+        phases = ", ".join(
+            f"{k.removeprefix('loop_max_hold_ms_')} {v}" for k, v in p.items() if k.startswith("loop_max_hold_ms_")
+        )
+        if phases:
+            lines.append(
+                f"- {p['blocks']:,} blocks: the service's event loop held at most **{p['loop_max_hold_ms']} ms** "
+                f"at a time (ms per phase: {phases}; the service's own `kvstore_event_loop_lag_max_seconds`)"
+            )
     dropped = "not read" if result["daemons_dropped"] is None else result["daemons_dropped"]
     late = ", ".join(result["timed_out"]) or "none"
     lines.append(f"- `daemons_dropped` = **{dropped}**; timed out: {late}")

@@ -163,7 +163,9 @@ class DaemonCalls:
             raise PermissionDenied(f"daemon {ident.name!r} may drain only itself")
         if not request.daemon_id:
             raise InvalidArgument("daemon_id is empty")
-        dropped, held, wait = self.index.drain_daemon(request.daemon_id)
+        dropped, held, wait = self.index.drain_daemon(request.daemon_id, stepwise=True)
+        while self.index.drop_step():  # its blocks leave in steps; none is found meanwhile
+            await asyncio.sleep(0)
         if dropped:
             self.link.forget(request.daemon_id)
             log.info("event=daemon_drained daemon=%s blocks=%d leases=%d", request.daemon_id, dropped, held)

@@ -64,6 +64,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections import deque
 from collections.abc import Iterable
 
 import numpy as np
@@ -136,6 +137,11 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
         self._n_tombstones = 0
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._touch_interval = (0.0, 0.0)  # (longest touch interval reported lately, when)
+        # Lost daemons' drops under way (kvstore.meta.membership): their segments by ref, the
+        # rows still in the table there, and the drops' remaining steps.
+        self._leaving: dict[int, Segment] = {}
+        self._zombies = 0
+        self._drops: deque = deque()
         self._put_deadlines: list[tuple[float, int]] = []
         self._lease_deadlines: list[tuple[float, int]] = []
         # Extents of puts that ended uncommitted, until their write tickets lapse.
@@ -163,7 +169,12 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
         """The keys' words, their rows (-1: not stored) and whether each is committed."""
         self._count_keys(packed, what)
         q = words(packed)
-        return q, *self.table.find_ready(q)
+        rows, ready = self.table.find_ready(q)
+        if self._leaving:
+            settled = self._settle(rows)
+            if settled is not rows:
+                rows, ready = settled, ready & (settled >= 0)
+        return q, rows, ready
 
     @staticmethod
     def _run(ready: np.ndarray) -> int:
@@ -201,6 +212,9 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
         t = self.table
         f = int(t.flags[row])
         if not f & LIVE:
+            return
+        if self._lost_row(row):  # a lost daemon's, not yet dropped with it: it goes as it would have
+            self._drop_lost(np.array([row]), self._leaving[int(t.seg[row])])
             return
         seg = self.segments[int(t.seg[row])]
         self.policy.leaving(row)  # before the table changes (kvstore.meta.policy: defer)
@@ -271,19 +285,22 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
         return out
 
     def is_pinned(self, key: bytes) -> bool:
-        row = int(self.table.find(words(key))[0])
+        row = int(self._settle(self.table.find(words(key)))[0])
         return row >= 0 and bool(self.table.flags[row] & PINNED)
 
     # ---- time -------------------------------------------------------------------------------
 
-    def expire(self) -> dict[str, int]:
+    def expire(self, stepwise: bool = False) -> dict[str, int]:
         """Reclaims what outlived its deadline: daemons, put reservations, leases; frees the
-        extents of ended puts whose write tickets lapsed."""
+        extents of ended puts whose write tickets lapsed. ``stepwise``: a lost daemon's blocks
+        leave the table in the caller's :meth:`drop_step` calls (they are not found meanwhile)."""
         now = self.clock.now()
         out = {"daemons": 0, "puts": 0, "leases": 0}
         for did in [d for d, st in self.daemons.items() if st.deadline < now]:
-            self._drop_daemon(did)
+            self._start_drop(did)
             out["daemons"] += 1
+        while not stepwise and self.drop_step():
+            pass
         out["engines"] = self.engine_tier.expire(now)
         for pid in expired(self._put_deadlines, self.puts, now):
             self.put_abort(pid)
@@ -301,7 +318,7 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
 
     def __len__(self) -> int:
         """Blocks in the index (committed or being written)."""
-        return self.table.live
+        return self.table.live - self._zombies
 
     def check_integrity(self) -> None:
         """Asserts the accounting: the table, the policy, and per segment its allocator, block,
@@ -311,6 +328,8 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
         self.policy.check_integrity()
         n = t.n_rows
         live = (t.flags[:n] & LIVE) != 0
+        leaving = np.isin(t.seg[:n], list(self._leaving)) & live
+        assert self._zombies == int(leaving.sum()), f"rows of lost daemons left {self._zombies} != {leaving.sum()}"
         held = (~live) & (t.leases[:n] > 0)
         quarantined: dict[int, list[tuple[int, int]]] = {}
         for seg, offset, size in self._quarantine.extents(self._current):

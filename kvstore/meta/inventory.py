@@ -165,7 +165,7 @@ class Adoption:
         good = a["ok"].astype(bool) & (a["gen"] != 0)
         cand = accepted & good & ~_dead_mask(a, dead)
         q = np.ascontiguousarray(a["key"]).view("<u8").reshape(-1, 2)
-        rows = t.find(q)
+        rows = self._settle(t.find(q))
         adopted = np.zeros(n, dtype=bool)
         # New keys, the first of each (a key twice in one inventory: the first wins), as far as
         # the table has room.
@@ -204,7 +204,7 @@ class Adoption:
         written, stored on another daemon or on this tier already, or another block (length,
         checksum)."""
         t = self.table
-        row = int(t.find(words(it.key))[0])
+        row = int(self._settle(t.find(words(it.key)))[0])
         if (
             row >= 0
             and int(t.flags[row]) & READY

@@ -29,7 +29,12 @@ if TYPE_CHECKING:
     from kvstore.meta.reads import Lease
 
 # Inventory items adopted per step of a registration (a few tens of milliseconds of the loop).
-ADOPT_CHUNK = 65_536
+ADOPT_CHUNK = 32_768
+# A lost daemon's drop goes in steps of at most DROP_ROWS of its blocks (each a few random
+# accesses to the hash table and the columns: tens of milliseconds of the loop), found by scans
+# of DROP_SCAN table rows (a few milliseconds each).
+DROP_ROWS = 1 << 15
+DROP_SCAN = 1 << 18
 
 
 class SegmentPlan(NamedTuple):
@@ -142,7 +147,12 @@ class DaemonLife(Tombstones):
         beforehand (on a thread) for this ``spec`` and ``inventory``."""
         plans = plan if plan is not None else self.plan_registration(spec, inventory)
         if spec.daemon_id in self.daemons:
-            self._drop_daemon(spec.daemon_id)
+            self._start_drop(spec.daemon_id)
+            while self.drop_step():
+                if chunk:
+                    yield
+            if spec.daemon_id in self.daemons:
+                return 0  # registered again meanwhile: that registration stands
         now = self.clock.now()
         daemon = Daemon(spec, now + self.limits.daemon_ttl_s, now, adopting=True)
         self.daemons[spec.daemon_id] = daemon
@@ -187,16 +197,20 @@ class DaemonLife(Tombstones):
         d.deadline = now + self.limits.daemon_ttl_s
         return True
 
-    def drain_daemon(self, daemon_id: str) -> tuple[int, int, float]:
+    def drain_daemon(self, daemon_id: str, stepwise: bool = False) -> tuple[int, int, float]:
         """A daemon leaving on purpose: it takes no more puts and its blocks leave the index
-        now. Returns (blocks dropped, read leases on its blocks still held, seconds until the
-        last of them runs out), so that the daemon keeps serving what was handed out. It may
-        be called again (dropping nothing) to follow the leases."""
+        now (``stepwise``: the caller completes the drop with :meth:`drop_step`). Returns
+        (blocks dropped, read leases on its blocks still held, seconds until the last of them
+        runs out), so that the daemon keeps serving what was handed out. It may be called again
+        (dropping nothing) to follow the leases."""
         d = self.daemons.get(daemon_id)
         blocks = 0
         if d is not None:
             blocks = sum(seg.blocks for seg in d.segments.values())
-            self._drop_daemon(daemon_id)
+            self._start_drop(daemon_id)
+            if not stepwise:
+                while self.drop_step():
+                    pass
             self.counters["daemons_drained"] += 1
         now = self.clock.now()
         held, wait = 0, 0.0
@@ -227,21 +241,90 @@ class Membership(Adoption, DaemonLife):
 
     def _drop_daemon(self, daemon_id: str) -> None:
         """Forgets a daemon and its blocks (committed and reserved) and the extents held back
-        there; a segment whose blocks are still leased stays known until the last lease ends.
-        Vectorised over each segment's rows (the space goes with the daemon: nothing to free or
-        tombstone)."""
+        there, in one go (:meth:`_start_drop` and every :meth:`drop_step`)."""
+        self._start_drop(daemon_id)
+        while self.drop_step():
+            pass
+
+    def _start_drop(self, daemon_id: str) -> None:
+        """A daemon leaves the index now: no puts, moves or heartbeats, and none of its blocks
+        is found by key from here on. Its blocks leave the table in steps of :data:`DROP_ROWS`
+        table rows (:meth:`drop_step`), so that a daemon of tens of millions of blocks does not
+        hold the event loop; a block of it that a call names meanwhile leaves at once
+        (:meth:`_settle`). A segment whose blocks are still leased stays known until the last
+        lease ends. Nothing is tombstoned or freed: the space goes with the daemon."""
         self._fail_moves(daemon_id)
         d = self.daemons.pop(daemon_id)
         t = self.table
-        for seg in d.segments.values():
-            n = t.n_rows
-            mine = np.flatnonzero(((t.flags[:n] & LIVE) != 0) & (t.seg[:n] == seg.ref))
-            # In extent order: the cache policy's history takes their counts in that order.
-            self._drop_lost(mine[np.argsort(t.off[mine], kind="stable")], seg)
+        segs = list(d.segments.values())
+        c = t.copies
+        crow = c.row[: c.used]
+        for seg in segs:
+            self._leaving[seg.ref] = seg
+            on = (crow >= 0) & (c.seg[: c.used] == seg.ref)
+            copies = int(((t.flags[crow[on]] & LIVE) != 0).sum()) if on.any() else 0
+            self._zombies += seg.blocks - copies  # rows whose primary is there (copies: same daemon)
+        self._drops.append(self._drop_chunks(segs, t.n_rows))
+
+    def _drop_chunks(self, segs: list[Segment], end: int) -> Generator[None, None, None]:
+        t = self.table
+        for seg in segs:
+            for lo in range(0, end, DROP_SCAN):
+                hi = min(end, lo + DROP_SCAN)
+                mine = lo + np.flatnonzero(((t.flags[lo:hi] & LIVE) != 0) & (t.seg[lo:hi] == seg.ref))
+                for k in range(0, len(mine), DROP_ROWS):
+                    part = mine[k : k + DROP_ROWS]
+                    # Those a call named since the scan left already (and their rows may hold
+                    # other blocks by now).
+                    part = part[((t.flags[part] & LIVE) != 0) & (t.seg[part] == seg.ref)]
+                    self._drop_lost(part, seg)
+                    yield
+                if not len(mine):
+                    yield
+            del self._leaving[seg.ref]
             seg.quarantined = 0  # its entries in the quarantine are skipped when they come up
             t.forget_segment(seg.ref)
             if not seg.leased:
                 self.segments.pop(seg.ref, None)
+
+    def drop_step(self) -> bool:
+        """One step of the drops of lost daemons under way (rows are scanned in table order, and
+        rows added meanwhile are never theirs); returns whether any step is left."""
+        if self._drops:
+            try:
+                next(self._drops[0])
+            except StopIteration:
+                self._drops.popleft()
+        return bool(self._drops)
+
+    def _lost_row(self, row: int) -> bool:
+        """Whether ``row`` is a lost daemon's block not yet dropped with it."""
+        return bool(self._leaving) and int(self.table.seg[row]) in self._leaving
+
+    def _lost_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Per row of ``rows`` (table rows), :meth:`_lost_row`."""
+        if not self._leaving:
+            return np.zeros(len(rows), dtype=bool)
+        return np.isin(self.table.seg[rows], list(self._leaving))
+
+    def _settle(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` as the table's hash lookup found them (-1: none), with those of a lost daemon
+        not yet dropped (:meth:`_start_drop`) dropped now and shown as -1."""
+        if not self._leaving:
+            return rows
+        t = self.table
+        hit = rows >= 0
+        gone = np.zeros(len(rows), dtype=bool)
+        gone[hit] = self._lost_rows(rows[hit])
+        if not gone.any():
+            return rows
+        dead = np.unique(rows[gone])
+        on = t.seg[dead]
+        for ref in np.unique(on).tolist():
+            self._drop_lost(dead[on == ref], self._leaving[ref])
+        rows = rows.copy()
+        rows[gone] = -1
+        return rows
 
     def _drop_lost(self, rows: np.ndarray, seg: Segment) -> None:
         """``rows`` (live, their primary replica on ``seg``) leave with their lost daemon: out of
@@ -250,7 +333,8 @@ class Membership(Adoption, DaemonLife):
         if not len(rows):
             return
         t = self.table
-        self.policy.leaving_many(rows)
+        self.policy.leaving_many(rows, staying=t.live - self._zombies)
+        self._zombies -= len(rows)
         pinned = (t.flags[rows] & PINNED) != 0
         t.unlink_many(rows)
         t.flags[rows] &= 0xFF ^ PINNED

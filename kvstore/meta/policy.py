@@ -118,8 +118,9 @@ class Lru:
     def leaving(self, row: int) -> None:
         """``row`` is about to leave the table."""
 
-    def leaving_many(self, rows: np.ndarray) -> None:
-        """``rows`` are about to leave the table, in this order."""
+    def leaving_many(self, rows: np.ndarray, staying: int | None = None) -> None:
+        """``rows`` are about to leave the table, in this order; ``staying``: how many blocks
+        remain once they and the others leaving with them are gone (default: all but these)."""
 
     def victim(self, seg_ref: int, clean: bool = False) -> int:
         """The row to evict from segment ``seg_ref`` (-1: none is evictable); ``clean``: only a
@@ -236,14 +237,16 @@ class Adaptive(AdaptiveCounts, Lru):
     def leaving(self, row: int) -> None:
         self._to_history(self.table.key(row), int(self.table.freq[row]))
 
-    def leaving_many(self, rows: np.ndarray) -> None:
+    def leaving_many(self, rows: np.ndarray, staying: int | None = None) -> None:
         """As :meth:`leaving` for each, in order, but only the last rows whose counts the
         history can keep once they are gone are written to it (the others would be pushed out
-        by them): a daemon's whole segment leaving costs what the history holds, not its rows."""
+        by them): a daemon's whole segment leaving costs what the history holds, not its rows
+        (``staying``: the blocks left once the daemon's are all gone, where they go in parts)."""
         self.drain()
         t = self.table
         p = self.params
-        after = max(p.min_population, t.live - len(rows) + self._entering)
+        left = t.live - len(rows) if staying is None else staying
+        after = max(p.min_population, left + self._entering)
         keep = min(len(rows), p.history_max, int(p.history_factor * after))
         rows = rows[len(rows) - keep :]
         counts = _aged(t.freq[rows], self.epoch)

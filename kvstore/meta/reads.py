@@ -86,7 +86,7 @@ class Reads:
         if not t.flags[row] & LIVE:
             seg.alloc.release(int(t.off[row]), int(t.size[row]))
             self._free_row(row)
-            if not seg.leased and self.daemons.get(seg.daemon.spec.daemon_id) is not seg.daemon:
+            if not seg.leased and not self._current(seg) and seg.ref not in self._leaving:
                 del self.segments[seg.ref]  # its daemon was lost; this was the last block held there
         elif t.is_evictable(row):
             t.stamp_one(row)

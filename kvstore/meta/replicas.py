@@ -68,6 +68,9 @@ class Replicas:
 
     def _drop_copy(self, row: int, i: int) -> None:
         """Drops copy ``i`` of an unleased ``row``: tombstoned, its extent freed; the block stays."""
+        if self._lost_row(row):  # a lost daemon's block (its copies are there too): it goes whole
+            self._drop(row)
+            return
         t = self.table
         seg = self.segments[int(t.copies.seg[i])]
         self._tombstone_item(
@@ -83,6 +86,9 @@ class Replicas:
     def _drop_primary(self, row: int) -> None:
         """Drops the primary replica of an unleased ``row`` that has a copy: the copy becomes its
         primary (what readers get from then on); the block stays, with its recency and count."""
+        if self._lost_row(row):
+            self._drop(row)
+            return
         t = self.table
         i = t.copies.of(row)[0]
         seg = self.segments[int(t.seg[row])]
@@ -123,13 +129,15 @@ class Replicas:
         t = self.table
         n = t.n_rows
         rows = np.flatnonzero((t.flags[:n] & (LIVE | READY)) == (LIVE | READY))
+        if self._leaving:  # a lost daemon's not yet dropped
+            rows = rows[~np.isin(t.seg[rows], list(self._leaving))]
         packed = t.keys(rows)
         return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
 
     def replicas(self, key: bytes) -> list[Location]:
         """Every replica of a committed block, its primary first (none if it is not stored)."""
         t = self.table
-        row = int(t.find(words(key))[0])
+        row = int(self._settle(t.find(words(key)))[0])
         if row < 0 or not t.flags[row] & READY:
             return []
         primary = self.locations([row])[0]

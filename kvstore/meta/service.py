@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstore.config import MetaConfig
 from kvstore.errors import Unavailable
+from kvstore.loop_watch import LoopWatch
 from kvstore.meta.auth import Authority, Quotas
 from kvstore.meta.daemons import DaemonLink
 from kvstore.meta.index import (
@@ -105,6 +106,7 @@ class MetaServer:
         self.link.gate = gate
         self.registry = registry or CollectorRegistry()
         self.registry.register(MetaCollector(self.index))
+        self.loop_watch = LoopWatch(self.registry, "meta")
         self.metrics = MetricsHttp(self.registry)
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -165,6 +167,7 @@ class MetaServer:
         await self.health.set_serving(True)
         self._sweeper = asyncio.create_task(self._loop("sweep", self.cfg.sweep_interval_s, self._sweep_round))
         self._tierer = asyncio.create_task(self._loop("tier", self.cfg.tier_interval_s, self._tier_round))
+        self.loop_watch.start()
         log.info("event=meta_started listen=%s port=%d metrics_port=%d", self.cfg.listen, self.port, self.metrics.port)
         return self.port
 
@@ -221,7 +224,9 @@ class MetaServer:
         if lag > self.cfg.heartbeat_interval_s:
             self.index.grace(lag)
             log.warning("event=service_stalled seconds=%.3f action=daemon_leases_extended", lag)
-        out = self.index.expire()
+        out = self.index.expire(stepwise=True)
+        while self.index.drop_step():  # a lost daemon's blocks leave in steps (none is found meanwhile)
+            await asyncio.sleep(0)
         if any(out.values()):
             log.info(
                 "event=expired daemons=%d puts=%d leases=%d engines=%d",
@@ -269,6 +274,7 @@ class MetaServer:
         if self.server:
             await self.server.stop(grace)
         await self.link.close()
+        self.loop_watch.stop()
         self.metrics.stop()
 
     async def wait(self) -> None:

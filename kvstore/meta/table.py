@@ -229,6 +229,33 @@ class BlockTable(Recency):
             i = j
         slots[i] = -1
 
+    def _unhash_many(self, rows: np.ndarray) -> None:
+        """Takes ``rows`` (distinct, hashed) out of the hash table, vectorised: their slots are
+        emptied, and every entry after one of them up to the end of its probe run (the next
+        empty slot) is taken out and inserted again from its home, so that no run is broken.
+        Costs the rows and the runs they sit in, not the table."""
+        slots, mask, steps = self.slots, self.mask, np.arange(1, _WINDOW + 1)
+        at = self._probe(self.kw[rows])[1]
+        slots[at] = -1
+        # Each emptied slot's run: from the slot after it to the next empty one.
+        start, todo = (at + 1) & mask, np.arange(len(at))
+        length = np.zeros(len(at), dtype=np.int64)
+        while todo.size:
+            v = slots[(start[todo, None] + length[todo, None] + steps - 1) & mask]
+            empty = v < 0
+            found = empty.any(1)
+            length[todo] += np.where(found, empty.argmax(1), _WINDOW)
+            todo = todo[~found]
+        n = int(length.sum())
+        if not n:
+            return
+        first = np.repeat(start, length)
+        pos = (first + np.arange(n) - np.repeat(np.cumsum(length) - length, length)) & mask
+        pos = np.unique(pos)
+        moved = slots[pos] & _TAG
+        slots[pos] = -1
+        self._insert_v(moved)
+
     # ---- rows -------------------------------------------------------------------------------
 
     def _grow_rows(self, need: int) -> None:
@@ -292,12 +319,15 @@ class BlockTable(Recency):
         self.live -= 1
 
     def unlink_many(self, rows: np.ndarray) -> None:
-        """:meth:`unlink` for each of ``rows`` (distinct, live): few are taken out of their probe
-        runs one by one; many (an eighth of the table or more: a daemon's whole segment) by
-        rebuilding the hash table from the rows that stay, vectorised."""
-        if len(rows) * 8 < self.live:
-            for r in rows.tolist():
-                self._unhash(r)
+        """:meth:`unlink` for each of ``rows`` (distinct, live): a few are taken out of their
+        probe runs one by one, more in one vectorised pass over their runs; half the table or
+        more (a daemon's whole segment) by rebuilding the hash table from the rows that stay."""
+        if len(rows) * 2 < self.live:
+            if len(rows) <= _SCALAR:
+                for r in rows.tolist():
+                    self._unhash(r)
+            else:
+                self._unhash_many(rows)
             self.flags[rows] &= 0xFF ^ (LIVE | READY)
             self.live -= len(rows)
             return

@@ -268,7 +268,8 @@ class Writes:
         t = self.table
         # Still in the table, not committed, and of this generation: a row freed with a lost
         # daemon may hold another block since, even this block as that daemon reported it back.
-        return ((t.flags[put.rows] & (LIVE | READY)) == LIVE) & (t.gen[put.rows] == put.gens)
+        mine = ((t.flags[put.rows] & (LIVE | READY)) == LIVE) & (t.gen[put.rows] == put.gens)
+        return mine & ~self._lost_rows(put.rows)  # a lost daemon's, not yet dropped with it
 
     def put_commit_begin(self, put_id: int, checksums: list[int], written: list[bool] | None = None) -> PendingCommit:
         """First half of a commit: validates, takes the put out of the reservation table (its

@@ -35,6 +35,9 @@ def test_a_small_run_writes_every_figure(monkeypatch: pytest.MonkeyPatch, tmp_pa
             v = r[name.format(t=t)]
             assert isinstance(v, (int, float)) and v > 0, (name.format(t=t), v)
     assert r["fill_blocks_per_s"] == r["fill_blocks_per_s_5k"]
+    for p in r["points"]:  # the service's event loop, watched through every phase
+        assert p["loop_max_hold_ms"] >= 0 and r[f"loop_max_hold_ms_{meta_scale.label(p['blocks'])}"] >= 0
+        assert {"loop_max_hold_ms_fill", "loop_max_hold_ms_restart"} <= set(p)
     assert r["lookup1000_p99_5k_over_2k"] > 0 and r["one_key_lookups_5k_over_2k"] > 0
     for p in r["points"]:
         t = meta_scale.label(p["blocks"])

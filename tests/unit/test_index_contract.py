@@ -73,6 +73,12 @@ class Model:
         """A daemon left: its blocks may be gone, pinned or not."""
         self.pinned.clear()
 
+    def drop_steps(self) -> None:
+        """A few steps of the lost daemons' drops, maybe not all: what is left of them must
+        never be found, whatever comes next (a put of the same keys, the daemon back)."""
+        for _ in range(self.rnd.randint(0, 3)):
+            self.ix.drop_step()
+
     def check_lookup(self, keys: list[bytes]) -> None:
         n, exists, rows = self.ix.lookup(b"".join(keys), True, True)
         assert len(rows) == n and exists[:n] == [True] * n and (n == len(keys) or not exists[n])
@@ -100,7 +106,8 @@ class Model:
                 outcome[i] = (0, ALIGN)  # stored in fewer bytes: the rest of the extent goes back
         if rnd.random() < 0.1:
             d = rnd.choice(sorted(self.daemons))
-            ix._drop_daemon(d)
+            ix._start_drop(d)  # its blocks leave in steps, some of them still to come
+            self.drop_steps()
             self.lost()
             assert ix.register_daemon(spec(d, self.daemons[d]), {}) == 0
         n, status = ix.put_commit_end(pc, outcome)
@@ -190,8 +197,9 @@ class Model:
             assert set(ix.pin_candidates(b"".join(keys))) <= {k for k, e in zip(keys, exists) if e}
         elif op < 0.925:
             d = rnd.choice(sorted(self.daemons))
-            blocks, held, _ = ix.drain_daemon(d)
+            blocks, held, _ = ix.drain_daemon(d, stepwise=self.rnd.random() < 0.5)
             assert blocks >= 0 and held >= 0 and d not in ix.daemons
+            self.drop_steps()
             self.lost()
             assert ix.register_daemon(spec(d, self.daemons[d]), {}) == 0
         elif op < 0.97:
@@ -199,8 +207,9 @@ class Model:
             for d in self.daemons:
                 if rnd.random() < 0.97:
                     ix.heartbeat(d)
-            if ix.expire()["daemons"]:
+            if ix.expire(stepwise=rnd.random() < 0.5)["daemons"]:
                 self.lost()
+            self.drop_steps()
             for d, slots in self.daemons.items():
                 if d not in ix.daemons:  # lost: it comes back empty
                     assert ix.register_daemon(spec(d, slots), {}) == 0
@@ -208,6 +217,14 @@ class Model:
             for d, items in ix.take_tombstones().items():
                 assert d in self.daemons and all(t.gen > 0 for t in items)
         ix.check_integrity()
+
+
+@pytest.fixture(autouse=True)
+def _small_drop_steps(monkeypatch) -> None:  # noqa: ANN001
+    """A lost daemon's blocks leave a few table rows per step: drops interleave with the rest."""
+    from kvstore.meta import membership
+
+    monkeypatch.setattr(membership, "DROP_ROWS", 3)
 
 
 @pytest.mark.parametrize("seed", range(12))
