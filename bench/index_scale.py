@@ -14,11 +14,13 @@ locality: each key is a cold cache line at scale), timed one by one, in turn wit
 lookups on a reference index of 10,000 blocks of the same kind built in the same process (so
 that the ratio of the two is measured under one machine load); then 100,000 more new
 blocks put and committed into the full segment, each evicting the least recently used block
-(steady-state put throughput at N).
+(steady-state put throughput at N); then the daemon is drained, its N blocks leaving the table
+in steps (``drain_daemon(stepwise=True)``, ``drop_step()``), each step timed: what a step holds the
+service's event loop for (target: 50 ms).
 
 Figures (``bench/results/index_scale.json``): ``index_bytes_per_block`` (lru, largest N;
 target <= 128), ``lookup_10m_over_10k`` (lru lookup p50 at 10M over its 10k reference; target <= 1.5),
-``put_commit_10m_blocks_per_s``, and per point the same.
+``put_commit_10m_blocks_per_s``, ``drop_step_max_ms_10m``, and per point the same.
 """
 
 from __future__ import annotations
@@ -120,6 +122,23 @@ def point(kind: str, n: int, seed: int = 0) -> dict:
     }
     out["not_admitted"] = ix.counters["not_admitted_keys"]
     out["table_bytes_per_block"] = ix.table.nbytes() / n
+    # The daemon leaves (a drain): at once for lookups, its N blocks out of the table in steps,
+    # each of which the service runs between other calls on its event loop.
+    left = len(ix)
+    t0 = time.perf_counter()
+    ix.drain_daemon("d1", stepwise=True)
+    steps = [time.perf_counter() - t0]
+    while True:
+        t = time.perf_counter()
+        more = ix.drop_step()
+        steps.append(time.perf_counter() - t)
+        if not more:
+            break
+    assert len(ix) == 0 and ix.table.live == 0, f"{ix.table.live} of {left} blocks left after the drop"
+    out["drop_steps"] = len(steps)
+    out["drop_step_p50_ms"] = float(np.percentile(steps, 50) * 1e3)
+    out["drop_step_max_ms"] = float(max(steps) * 1e3)
+    out["drop_s"] = float(sum(steps))
     return out
 
 
@@ -159,9 +178,11 @@ def figures(rows: list[dict]) -> dict:
         big = by[(kind, ns[-1])]
         f["index_bytes_per_block"] = big["bytes_per_block"]
         f["lookup_largest_over_ref"] = big["lookup_over_ref"]
+        f["drop_step_max_ms_largest"] = big["drop_step_max_ms"]
         if ns[-1] == 10_000_000:
             f["lookup_10m_over_10k"] = big["lookup_over_ref"]
             f["put_commit_10m_blocks_per_s"] = big["put_commit_blocks_per_s"]
+            f["drop_step_max_ms_10m"] = big["drop_step_max_ms"]
     return f
 
 
@@ -211,24 +232,27 @@ def report(result: dict) -> str:
         "into the full segment, each evicting the least recently used. The index is `kvstore.meta.index.Index` "
         "(columnar block table), **lru** = with `cache_policy=lru`; **adaptive** = with the adaptive policy "
         "(its count and mark columns; the history of blocks not stored stays empty here, as every key is new "
-        "and stored; new blocks the policy declines count as placed).",
+        "and stored; new blocks the policy declines count as placed). Drop: the daemon then leaves (a drain "
+        "in steps, `drain_daemon(stepwise=True)` and `drop_step()`), each step timed: what one step holds "
+        "the service's event loop for.",
         "- Targets: `index_bytes_per_block` <= 128 and `lookup_10m_over_10k` <= 1.5 (lru).",
         "",
-        "| index | blocks | bytes/block | lookup p50 (ms) | lookup p99 (ms) | 10k reference p50 (ms) | p50 / reference | put+commit at N (blocks/s) | fill, traced (blocks/s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| index | blocks | bytes/block | lookup p50 (ms) | lookup p99 (ms) | 10k reference p50 (ms) | p50 / reference | put+commit at N (blocks/s) | fill, traced (blocks/s) | drop: steps, p50 / max step (ms), total (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(result["points"], key=lambda r: (r["index"], r["blocks"])):
         lines.append(
             f"| {r['index']} | {r['blocks']:,} | {r['bytes_per_block']:.1f} | {r['lookup_p50_ms']:.3f} | "
             f"{r['lookup_p99_ms']:.3f} | {r['ref_lookup_p50_ms']:.3f} | {r['lookup_over_ref']:.2f} | "
-            f"{r['put_commit_blocks_per_s']:,.0f} | {r['fill_blocks_per_s_traced']:,.0f} |"
+            f"{r['put_commit_blocks_per_s']:,.0f} | {r['fill_blocks_per_s_traced']:,.0f} | "
+            f"{r['drop_steps']:,}, {r['drop_step_p50_ms']:.1f} / {r['drop_step_max_ms']:.1f}, {r['drop_s']:.2f} |"
         )
     lines.append("")
     for name, target in (("index_bytes_per_block", "<= 128"), ("lookup_10m_over_10k", "<= 1.5")):
         if name in f:
             bound = float(target.split()[-1])
             lines.append(f"- `{name}` = **{f[name]:.2f}** (target {target}: {'met' if f[name] <= bound else 'missed'})")
-    for name in ("put_commit_10m_blocks_per_s", "lookup_largest_over_ref"):
+    for name in ("put_commit_10m_blocks_per_s", "lookup_largest_over_ref", "drop_step_max_ms_10m"):
         if name in f:
             lines.append(f"- `{name}` = {f[name]:,.2f}")
     if result.get("plot"):
