@@ -29,11 +29,11 @@ if TYPE_CHECKING:
     from kvstore.meta.reads import Lease
 
 # Inventory items adopted per step of a registration (a few tens of milliseconds of the loop).
-ADOPT_CHUNK = 32_768
+ADOPT_CHUNK = 16_384
 # A lost daemon's drop goes in steps of at most DROP_ROWS of its blocks (each a few random
 # accesses to the hash table and the columns: tens of milliseconds of the loop), found by scans
 # of DROP_SCAN table rows (a few milliseconds each).
-DROP_ROWS = 1 << 15
+DROP_ROWS = 1 << 14
 DROP_SCAN = 1 << 18
 
 
@@ -169,7 +169,7 @@ class DaemonLife(Tombstones):
         for p, (seg, dead) in zip(plans, segs):
             a, step = p.items, chunk or max(1, len(p.items))
             for lo in range(0, len(a), step):
-                if lo:
+                if chunk:  # a step ends before each chunk (the first after the table grew for them all)
                     yield
                     if self.daemons.get(spec.daemon_id) is not daemon:
                         return rejected  # superseded, or dropped meanwhile
@@ -264,6 +264,7 @@ class Membership(Adoption, DaemonLife):
             on = (crow >= 0) & (c.seg[: c.used] == seg.ref)
             copies = int(((t.flags[crow[on]] & LIVE) != 0).sum()) if on.any() else 0
             self._zombies += seg.blocks - copies  # rows whose primary is there (copies: same daemon)
+        t.reserve_free(self._zombies)
         self._drops.append(self._drop_chunks(segs, t.n_rows))
 
     def _drop_chunks(self, segs: list[Segment], end: int) -> Generator[None, None, None]:

@@ -338,12 +338,21 @@ class BlockTable(Recency):
             bits -= 1  # shrink to the rows left (never below the fill that would grow it back)
         self._rehash(bits)
 
+    def reserve_free(self, n: int) -> None:
+        """Room on the free list for ``n`` more rows, made now (one copy of what is on it) rather
+        than as they come (a copy of a list of millions at each doubling)."""
+        need = self._n_free + n
+        if need > len(self._free):
+            grown = np.empty(max(need, 2 * len(self._free)), dtype=np.int64)
+            grown[: self._n_free] = self._free[: self._n_free]
+            self._free = grown
+
     def free_many(self, rows: np.ndarray) -> None:
         """:meth:`free` for each of ``rows`` (unlinked, distinct)."""
         self.flags[rows] = 0
         need = self._n_free + len(rows)
         if need > len(self._free):
-            self._free = np.resize(self._free, max(need, 2 * len(self._free)))
+            self.reserve_free(len(rows))
         self._free[self._n_free : need] = rows
         self._n_free = need
 
@@ -355,7 +364,7 @@ class BlockTable(Recency):
         """Returns an unlinked row for reuse."""
         self.flags[row] = 0
         if self._n_free == len(self._free):
-            self._free = np.resize(self._free, 2 * len(self._free))
+            self.reserve_free(1)
         self._free[self._n_free] = row
         self._n_free += 1
 

@@ -1709,7 +1709,9 @@ def test_registration_in_steps_takes_no_puts_until_adopted_and_can_be_superseded
     idx, clock = make(slots=8)  # daemon d1 on host h1
     inv = _inventory([(i, i * ALIGN, BLK) for i in range(5)], gen0=10)
     steps = idx.register_daemon_steps(dspec("d2", slots=8, host="h2"), inv, chunk=2)
-    next(steps)  # one step in: part adopted, the daemon known but not placeable
+    next(steps)  # one step in: the daemon known, its extents reserved, nothing adopted yet
+    assert idx.daemons["d2"].adopting and hits(idx, 0) == 0
+    next(steps)  # part adopted, the daemon still not placeable
     assert idx.daemons["d2"].adopting and hits(idx, 0, 1, 2) == 2  # a chunk of 2
     r = idx.put_start(pk(50), [BLK], host_id="h2")
     assert L(places(idx, r)[0]).daemon_id == "d1"  # not on the adopting daemon

@@ -451,7 +451,9 @@ def test_registration_in_steps_takes_no_puts_until_adopted_and_can_be_superseded
     keys = [key(i) for i in range(5)]
     inv = {1: [InventoryItem(k, i * ALIGN, BLK, csum(k), 0, 10 + i) for i, k in enumerate(keys)]}
     steps = ix.register_daemon_steps(spec("d2", 8), inv, chunk=2)
-    next(steps)  # one step in: part adopted, the daemon known but not placeable
+    next(steps)  # one step in: the daemon known, its extents reserved, nothing adopted yet
+    assert ix.daemons["d2"].adopting and ix.lookup(b"".join(keys))[0] == 0
+    next(steps)  # part adopted, the daemon still not placeable
     assert ix.daemons["d2"].adopting and ix.lookup(b"".join(keys))[0] == 2  # a chunk of 2
     r = ix.put_start(key(50), [BLK], host_id="h-d2")
     assert ix.locations(r.placements)[0].segment.daemon.spec.daemon_id == "d1"
