@@ -225,7 +225,8 @@ class MetaServer:
             self.index.grace(lag)
             log.warning("event=service_stalled seconds=%.3f action=daemon_leases_extended", lag)
         out = self.index.expire(stepwise=True)
-        while self.index.drop_step():  # a lost daemon's blocks leave in steps (none is found meanwhile)
+        # A lost daemon's blocks leave in steps (none is found meanwhile); a stop does not wait for them.
+        while not self._stopping and self.index.drop_step():
             await asyncio.sleep(0)
         if any(out.values()):
             log.info(
