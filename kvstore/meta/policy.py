@@ -265,7 +265,11 @@ class Adaptive(AdaptiveCounts, Lru):
         return aged(int(self.table.freq[row]), self.epoch) if row >= 0 else self._history_count(key)
 
     def victim(self, seg_ref: int, clean: bool = False) -> int:
-        oldest = clean_rows(self.table, seg_ref) if clean else self.table.oldest_batch(seg_ref, 1)
+        if clean:
+            oldest = clean_rows(self.table, seg_ref)
+        else:  # the least recent alone (a scalar walk: most evictions need no more)
+            first = self.table.oldest(seg_ref)
+            oldest = np.array([first] if first >= 0 else [], dtype=np.int64)
         if not len(oldest):
             return -1  # nothing evictable: the policy's state is not asked
         self.drain()

@@ -84,20 +84,30 @@ class Recency:
                 pos = 0
             else:
                 rows, stamps, pos = self._oldest.get(seg_ref, (_NO_ROWS, _NO_ROWS, 0))
-            r, st = rows[pos:], stamps[pos:]
-            ok = (
-                (self.recent[r] == st)
-                & self.on_segment(r, seg_ref)
-                & ((self.flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY))
-                & (self.leases[r] == 0)
-            )
-            good = np.flatnonzero(ok)
-            if len(good):
-                self._oldest[seg_ref] = (rows, stamps, pos + int(good[0]))
+            # The list is checked from its start in windows that double, until k are found: a
+            # victim costs the rows it passes, not the list (which holds thousands).
+            found: list[np.ndarray] = []
+            n_found, first, at, width = 0, -1, pos, max(4 * k, 64)
+            while at < len(rows) and n_found < k:
+                r, st = rows[at : at + width], stamps[at : at + width]
+                ok = (
+                    (self.recent[r] == st)
+                    & self.on_segment(r, seg_ref)
+                    & ((self.flags[r] & (LIVE | READY | PINNED | HELD)) == (LIVE | READY))
+                    & (self.leases[r] == 0)
+                )
+                good = np.flatnonzero(ok)
+                if len(good):
+                    first = at + int(good[0]) if first < 0 else first
+                    found.append(r[good])
+                    n_found += len(good)
+                at, width = at + width, 2 * width
+            if first >= 0:
+                self._oldest[seg_ref] = (rows, stamps, first)
             else:
                 self._oldest.pop(seg_ref, None)
-            if len(good) >= k or fresh:  # a fresh pass short of k: that is every evictable row
-                return r[good[:k]]
+            if n_found >= k or fresh:  # a fresh pass short of k: that is every evictable row
+                return np.concatenate(found)[:k] if found else _NO_ROWS
         raise AssertionError("unreachable")
 
     def _oldest_pass(self, seg_ref: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
