@@ -299,8 +299,8 @@ class Index(Checks, Replicas, Membership, Reads, Writes, TierMoves, DeviceTier):
         for did in [d for d, st in self.daemons.items() if st.deadline < now]:
             self._start_drop(did)
             out["daemons"] += 1
-        while not stepwise and self.drop_step():
-            pass
+        if not stepwise:
+            self._finish_drops()
         out["engines"] = self.engine_tier.expire(now)
         for pid in expired(self._put_deadlines, self.puts, now):
             self.put_abort(pid)

@@ -209,8 +209,7 @@ class DaemonLife(Tombstones):
             blocks = sum(seg.blocks for seg in d.segments.values())
             self._start_drop(daemon_id)
             if not stepwise:
-                while self.drop_step():
-                    pass
+                self._finish_drops()
             self.counters["daemons_drained"] += 1
         now = self.clock.now()
         held, wait = 0, 0.0
@@ -243,13 +242,17 @@ class Membership(Adoption, DaemonLife):
         """Forgets a daemon and its blocks (committed and reserved) and the extents held back
         there, in one go (:meth:`_start_drop` and every :meth:`drop_step`)."""
         self._start_drop(daemon_id)
+        self._finish_drops()
+
+    def _finish_drops(self) -> None:
+        """Every step of the drops under way, now."""
         while self.drop_step():
             pass
 
     def _start_drop(self, daemon_id: str) -> None:
         """A daemon leaves the index now: no puts, moves or heartbeats, and none of its blocks
-        is found by key from here on. Its blocks leave the table in steps of :data:`DROP_ROWS`
-        table rows (:meth:`drop_step`), so that a daemon of tens of millions of blocks does not
+        is found by key from here on. Its blocks leave the table in steps of at most
+        :data:`DROP_ROWS` of them (:meth:`drop_step`), so that a daemon of tens of millions of blocks does not
         hold the event loop; a block of it that a call names meanwhile leaves at once
         (:meth:`_settle`). A segment whose blocks are still leased stays known until the last
         lease ends. Nothing is tombstoned or freed: the space goes with the daemon."""

@@ -350,9 +350,8 @@ class BlockTable(Recency):
     def free_many(self, rows: np.ndarray) -> None:
         """:meth:`free` for each of ``rows`` (unlinked, distinct)."""
         self.flags[rows] = 0
+        self.reserve_free(len(rows))
         need = self._n_free + len(rows)
-        if need > len(self._free):
-            self.reserve_free(len(rows))
         self._free[self._n_free : need] = rows
         self._n_free = need
 
